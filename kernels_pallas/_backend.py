@@ -1,0 +1,26 @@
+"""Backend selection shared by every kernel entry point.
+
+`backend=None` means: the Pallas kernel on GPU, the plain-JAX reference elsewhere (CPU tests).
+"interpret" runs the Pallas kernel through the Pallas interpreter, which is how CPU tests check the
+kernels themselves.
+"""
+from __future__ import annotations
+
+import jax
+
+BACKENDS = ("reference", "pallas", "interpret")
+
+
+def resolve_backend(backend: str | None) -> str:
+    if backend is None:
+        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    return backend
+
+
+def triton_params(num_warps: int = 4, num_stages: int = 2):
+    """Compiler params that select Pallas' Triton lowering explicitly (portable to ROCm)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
