@@ -51,7 +51,8 @@ def _prepare(q, k, v, g, beta, scale, initial_state, lengths, use_qk_l2norm):
     q, k, v, g, beta = (x.astype(F32) for x in (q, k, v, g, beta))
     if lengths is not None:
         valid = jnp.arange(T)[None, :] < jnp.asarray(lengths)[:, None]  # [B, T]
-        g = jnp.where(valid[..., None, None], g, 0.0)
+        # Padding may hold anything (even NaN); zero it so it cannot reach the state.
+        q, k, v, g = (jnp.where(valid[..., None, None], x, 0.0) for x in (q, k, v, g))
         beta = jnp.where(valid[..., None], beta, 0.0)
     if initial_state is None:
         initial_state = jnp.zeros((B, H, K, V), F32)

@@ -1,0 +1,18 @@
+"""kimik3: Kimi K3 / Kimi Linear inference in JAX.
+
+    cfg = kimik3.Config.preset("tiny")
+    model = kimik3.init(cfg, seed=0)
+    logits = kimik3.forward(model, tokens)
+    toks = kimik3.generate(model, prompts, max_new_tokens=16)
+"""
+from .config import Config, ConfigError, PRESETS
+from .generate import generate
+from .model import Cache, KimiLM, Model, init_cache
+from .params import abstract, init, param_count
+from .runtime import decode_step, extend, forward, prefill
+from .sampling import sample
+from .tokenizer import ByteTokenizer, Tokenizer, default_tokenizer
+
+__all__ = ["Config", "ConfigError", "PRESETS", "generate", "Cache", "KimiLM", "Model", "init_cache",
+           "abstract", "init", "param_count", "decode_step", "extend", "forward", "prefill", "sample",
+           "ByteTokenizer", "Tokenizer", "default_tokenizer"]

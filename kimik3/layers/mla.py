@@ -1,0 +1,101 @@
+"""MLA (multi-head latent attention, NoPE) with a latent cache of kv_lora_rank + rope values per
+token. Prefill/forward use the expanded form; decode and short verifies use the absorbed form
+(query projected into latent space, attention over the latent cache, value up-projection after)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from .common import F32, INIT_STD, RMSNorm, dense
+from .kda import RECURRENT_MAX_T
+
+MASKED = -1e30  # finite, so a row with no visible keys stays finite (it is padding anyway)
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def mla_cache_shapes(cfg, batch: int, max_seq_len: int):
+    return {"latent": ((batch, max_seq_len, cfg.mla_cache_dim), cfg.jnp_dtype)}
+
+
+class Weight(nn.Module):
+    """A bare [in, out] kernel, for weights used in more than one way (kv_b in both MLA forms)."""
+    shape: tuple
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self):
+        return self.param("kernel", nn.initializers.normal(INIT_STD), self.shape, self.dtype)
+
+
+def _softmax_attend(scores, mask, values_fn):
+    scores = jnp.where(mask, scores.astype(F32), MASKED)
+    p = jax.nn.softmax(scores, axis=-1)
+    return values_fn(p)
+
+
+class MLA(nn.Module):
+    cfg: object
+
+    @nn.compact
+    def __call__(self, x, cache, start, n_new, backend=None):
+        """x [B, T, D]; cache {"latent": [B, S, C]} or None (no cache: causal over x itself);
+        start [B] tokens already cached; n_new [B] valid new tokens."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, dn, dr, dv, R = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.v_head_dim, cfg.kv_lora_rank)
+        scale = (dn + dr) ** -0.5
+        dt = cfg.jnp_dtype
+
+        if cfg.q_lora_rank:
+            qa = dense(cfg.q_lora_rank, "q_a_proj", cfg)(x)
+            qa = RMSNorm(cfg.q_lora_rank, cfg.mla_norm_eps, cfg.jnp_param_dtype, name="q_a_layernorm")(qa)
+            q = dense(H * (dn + dr), "q_b_proj", cfg)(qa)
+        else:
+            q = dense(H * (dn + dr), "q_proj", cfg)(x)
+        q = q.reshape(B, T, H, dn + dr)
+        q_nope, q_rope = q[..., :dn], q[..., dn:]
+
+        ckv = dense(R + dr, "kv_a_proj_with_mqa", cfg)(x)
+        latent = RMSNorm(R, cfg.mla_norm_eps, cfg.jnp_param_dtype, name="kv_a_layernorm")(ckv[..., :R])
+        entries = jnp.concatenate([latent, ckv[..., R:]], axis=-1).astype(dt)  # [B, T, R + dr]
+        kv_b = Weight((R, H * (dn + dv)), cfg.jnp_param_dtype, name="kv_b_proj")().astype(dt)
+        kv_b = kv_b.reshape(R, H, dn + dv)
+        w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]
+
+        t = jnp.arange(T)
+        if cache is None:
+            keys, key_pos = entries, t[None, :].repeat(B, 0)
+            visible = key_pos[:, None, :] <= t[None, :, None]  # [B, T, S]
+            new_cache = None
+        else:
+            S = cache["latent"].shape[1]
+            pos = jnp.where(t[None, :] < n_new[:, None], start[:, None] + t[None, :], S)  # S = dropped
+            keys = cache["latent"].at[jnp.arange(B)[:, None], pos].set(entries, mode="drop")
+            new_cache = {"latent": keys}
+            s = jnp.arange(S)
+            end = start + n_new
+            visible = (s[None, None, :] < end[:, None, None]) & (
+                s[None, None, :] <= (start[:, None] + t[None, :])[..., None])
+        lat_k, rot_k = keys[..., :R], keys[..., R:]
+
+        if cache is not None and T <= RECURRENT_MAX_T:  # absorbed form
+            q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
+            scores = (jnp.einsum("bthc,bsc->bhts", q_lat, lat_k, precision=HIGHEST)
+                      + jnp.einsum("bthr,bsr->bhts", q_rope, rot_k, precision=HIGHEST)) * scale
+            o_lat = _softmax_attend(scores, visible[:, None], lambda p: jnp.einsum(
+                "bhts,bsc->bthc", p.astype(dt), lat_k, precision=HIGHEST))
+            o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
+        else:  # expanded form
+            k_nope = jnp.einsum("bsc,chn->bshn", lat_k, w_uk, precision=HIGHEST)
+            v = jnp.einsum("bsc,chv->bshv", lat_k, w_uv, precision=HIGHEST)
+            scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, precision=HIGHEST)
+                      + jnp.einsum("bthr,bsr->bhts", q_rope, rot_k, precision=HIGHEST)) * scale
+            o = _softmax_attend(scores, visible[:, None], lambda p: jnp.einsum(
+                "bhts,bshv->bthv", p.astype(dt), v, precision=HIGHEST))
+
+        o = o.reshape(B, T, H * dv).astype(dt)
+        if cfg.mla_use_output_gate:
+            o = (o.astype(F32) * jax.nn.sigmoid(dense(H * dv, "g_proj", cfg)(x).astype(F32))).astype(dt)
+        return dense(cfg.hidden_size, "o_proj", cfg)(o), new_cache

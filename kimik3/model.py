@@ -1,0 +1,126 @@
+"""The decoder as Flax (Linen) modules, plus the two pytrees users hold: `Model` (config + weights)
+and `Cache` (per-sequence lengths, per-layer KDA state / conv state / MLA latent cache).
+
+Linen because its modules are pure descriptions: `KimiLM(cfg).apply({"params": params}, ...)` is a
+pure function of a plain nested dict of arrays, which jit, shard_map, eval_shape and Orbax take
+as they are; caches are explicit inputs and outputs rather than mutable module state.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+from flax import struct
+
+from .config import Config
+from .layers.attnres import AttnResMix
+from .layers.common import F32, INIT_STD, RMSNorm, dense
+from .layers.kda import KDA, kda_cache_shapes
+from .layers.mla import MLA, mla_cache_shapes
+from .layers.moe import MLP, MoE
+
+
+@struct.dataclass
+class Model:
+    """Weights (a plain nested dict) and the static config they belong to."""
+    params: dict
+    cfg: Config = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class Cache:
+    """Decode state for a batch of sequences. `lengths[b]`: tokens already held for row b."""
+    lengths: jax.Array
+    layers: tuple  # per layer: {"state", "conv"} (KDA) or {"latent"} (MLA)
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        for entry in self.layers:
+            if "latent" in entry:
+                return entry["latent"].shape[1]
+        return 2 ** 31 - 1  # no MLA layer: KDA state is fixed-size, any length fits
+
+
+def cache_shapes(cfg: Config, batch: int, max_seq_len: int):
+    return tuple(kda_cache_shapes(cfg, batch) if t == "kda" else mla_cache_shapes(cfg, batch, max_seq_len)
+                 for t in cfg.layer_types)
+
+
+def init_cache(cfg: Config, batch: int, max_seq_len: int) -> Cache:
+    """Empty cache: zero KDA state and conv state, zero MLA latents, lengths 0."""
+    layers = tuple({k: jnp.zeros(s, d) for k, (s, d) in entry.items()}
+                   for entry in cache_shapes(cfg, batch, max_seq_len))
+    return Cache(lengths=jnp.zeros((batch,), jnp.int32), layers=layers)
+
+
+class DecoderLayer(nn.Module):
+    cfg: Config
+    index: int
+
+    @nn.compact
+    def __call__(self, bank, p, cache, start, n_new, backend):
+        cfg, i = self.cfg, self.index
+        bs = cfg.attn_res_block_size
+        D, eps, pdt = cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype
+        # attention side
+        if bs and bank:
+            h = AttnResMix(D, eps, pdt, name="self_attention_res")(bank + [p])
+        else:
+            h = p
+        if bs and i % bs == 0:  # write layer: freeze the finished block (or the embedding)
+            bank, p = bank + [p], None
+        x = RMSNorm(D, eps, pdt, name="input_layernorm")(h)
+        if cfg.layer_types[i] == "kda":
+            a, cache = KDA(cfg, name="self_attn")(x, cache, n_new, backend)
+        else:
+            a, cache = MLA(cfg, name="self_attn")(x, cache, start, n_new, backend)
+        p = a if p is None else p + a
+        # MLP side
+        y = AttnResMix(D, eps, pdt, name="mlp_res")(bank + [p]) if bs else p
+        y = RMSNorm(D, eps, pdt, name="post_attention_layernorm")(y)
+        if cfg.is_moe_layer(i):
+            m = MoE(cfg, name="block_sparse_moe")(y)
+        else:
+            m = MLP(cfg, cfg.intermediate_size, name="mlp")(y)
+        return bank, p + m, cache
+
+
+class KimiLM(nn.Module):
+    cfg: Config
+
+    @nn.compact
+    def __call__(self, tokens, cache_layers=None, start=None, n_new=None, backend=None):
+        """tokens [B, T] -> (logits [B, T, V] fp32, new cache layers or None).
+
+        Without cache_layers: a causal pass over `tokens` alone (fresh sequences).
+        With them: tokens extend each row after its `start[b]` cached tokens; only the first
+        `n_new[b]` tokens of row b are real (the rest is padding and leaves the cache untouched).
+        """
+        cfg = self.cfg
+        B, T = tokens.shape
+        if n_new is None:
+            n_new = jnp.full((B,), T, jnp.int32)
+        if start is None:
+            start = jnp.zeros((B,), jnp.int32)
+        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype,
+                         param_dtype=cfg.jnp_param_dtype, embedding_init=nn.initializers.normal(1.0),
+                         name="embed_tokens")
+        bank, p = [], embed(tokens)
+        new_layers = []
+        for i in range(cfg.num_layers):
+            entry = None if cache_layers is None else cache_layers[i]
+            bank, p, entry = DecoderLayer(cfg, i, name=f"layers_{i}")(bank, p, entry, start, n_new, backend)
+            new_layers.append(entry)
+        if cfg.attn_res_block_size:
+            p = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype,
+                           name="output_attn_res")(bank + [p])
+        z = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype, name="norm")(p)
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(z)
+        else:
+            logits = dense(cfg.vocab_size, "lm_head", cfg)(z)
+        return logits.astype(F32), (None if cache_layers is None else tuple(new_layers))

@@ -1,0 +1,58 @@
+"""Parameter trees: shapes without memory, random weights, logical parameter counts."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from .config import Config
+from .model import KimiLM, Model
+
+
+def _init_fn(cfg: Config):
+    def init(key):
+        tokens = jnp.zeros((1, 2), jnp.int32)
+        return KimiLM(cfg).init(key, tokens)["params"]
+    return init
+
+
+def abstract(cfg: Config) -> dict:
+    """jax.ShapeDtypeStruct per parameter (no memory is allocated)."""
+    return jax.eval_shape(_init_fn(cfg), jax.random.key(0))
+
+
+def init(cfg: Config, seed: int = 0, mesh=None) -> Model:
+    """Random weights for any config; placed on `mesh` by the sharding rules if one is given."""
+    fn = _init_fn(cfg)
+    if mesh is not None:
+        from sharding import param_shardings
+
+        shardings = param_shardings(abstract(cfg), cfg, mesh)
+        params = jax.jit(fn, out_shardings=shardings)(jax.random.key(seed))
+    else:
+        params = jax.jit(fn)(jax.random.key(seed))
+    return Model(params=params, cfg=cfg)
+
+
+def _logical_size(path, leaf) -> int:
+    """Parameters a leaf stands for: MXFP4 packed bytes hold two values, scales are metadata."""
+    name = str(getattr(path[-1], "key", path[-1]))
+    if name.endswith("_scale") and leaf.dtype == jnp.uint8:
+        return 0
+    if name.endswith("_packed"):
+        return 2 * math.prod(leaf.shape)
+    return math.prod(leaf.shape)
+
+
+def param_count(cfg: Config) -> dict:
+    """{"total", "active"} logical parameters (active: per token, with top-k routed experts)."""
+    total = 0
+    routed = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract(cfg))[0]:
+        n = _logical_size(path, leaf)
+        total += n
+        if any(getattr(k, "key", None) == "experts" for k in path):
+            routed += n
+    inactive = routed * (cfg.num_experts - cfg.num_experts_per_token) // max(cfg.num_experts, 1)
+    return {"total": total, "active": total - inactive}
