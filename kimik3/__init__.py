@@ -6,7 +6,7 @@
     toks = kimik3.generate(model, prompts, max_new_tokens=16)
 """
 from .config import Config, ConfigError, PRESETS
-from .generate import generate
+from .generation import generate
 from .model import Cache, KimiLM, Model, init_cache
 from .params import abstract, init, param_count
 from .runtime import decode_step, extend, forward, prefill

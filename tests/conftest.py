@@ -9,3 +9,15 @@ if "xla_force_host_platform_device_count" not in flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+import kimik3  # noqa: E402
+
+TINY_VARIANTS = ("tiny", "tiny-linear")
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    """One random model per tiny variant, shared by the whole session (init compiles once)."""
+    return {name: kimik3.init(kimik3.Config.preset(name), seed=0) for name in TINY_VARIANTS}
