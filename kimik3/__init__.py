@@ -8,11 +8,12 @@
 from .config import Config, ConfigError, PRESETS
 from .generation import generate
 from .model import Cache, KimiLM, Model, init_cache
+from .io import load, save
 from .params import abstract, init, param_count
 from .runtime import decode_step, extend, forward, prefill
 from .sampling import sample
 from .tokenizer import ByteTokenizer, Tokenizer, default_tokenizer
 
 __all__ = ["Config", "ConfigError", "PRESETS", "generate", "Cache", "KimiLM", "Model", "init_cache",
-           "abstract", "init", "param_count", "decode_step", "extend", "forward", "prefill", "sample",
+           "load", "save", "abstract", "init", "param_count", "decode_step", "extend", "forward", "prefill", "sample",
            "ByteTokenizer", "Tokenizer", "default_tokenizer"]

@@ -321,3 +321,42 @@ PRESETS = {
     "kimi-linear-48b": _kimi_linear_48b,
     "kimi-k3": _kimi_k3,
 }
+
+
+def config_to_hf_dict(cfg: Config, k3_layout: bool | None = None) -> dict[str, Any]:
+    """The config.json an HF checkpoint of `cfg` carries (K3: wrapped in text_config)."""
+    k3 = cfg.attn_res_block_size > 0 if k3_layout is None else k3_layout
+    text = {
+        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
+        "hidden_act": cfg.hidden_act, "activation_situ_beta": cfg.situ_beta,
+        "activation_situ_linear_beta": cfg.situ_linear_beta, "attn_res_block_size": cfg.attn_res_block_size,
+        "num_attention_heads": cfg.mla_num_heads, "num_key_value_heads": cfg.mla_num_heads,
+        "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "mla_use_nope": cfg.mla_use_nope,
+        "mla_use_output_gate": cfg.mla_use_output_gate,
+        "linear_attn_config": {
+            "full_attn_layers": [i + 1 for i in cfg.mla_layers], "kda_layers": [i + 1 for i in cfg.kda_layers],
+            "num_heads": cfg.kda_num_heads, "head_dim": cfg.kda_head_dim, "short_conv_kernel_size": cfg.conv_size,
+            "gate_lower_bound": cfg.gate_lower_bound, "use_full_rank_gate": cfg.use_full_rank_gate},
+        "num_experts": cfg.num_experts, "num_experts_per_token": cfg.num_experts_per_token,
+        "num_shared_experts": cfg.num_shared_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "routed_expert_hidden_size": cfg.routed_expert_hidden_size,
+        "latent_moe_use_norm": cfg.latent_moe_use_norm, "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": cfg.moe_renormalize, "routed_scaling_factor": cfg.routed_scaling_factor,
+        "num_expert_group": cfg.num_expert_group, "topk_group": cfg.topk_group,
+        "first_k_dense_replace": cfg.first_k_dense_replace, "moe_layer_freq": cfg.moe_layer_freq,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+        "dtype": cfg.param_dtype,
+    }
+    if cfg.expert_format == "mxfp4":
+        text["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    if not k3:
+        return text
+    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+            "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+            "pad_token_id": cfg.pad_token_id, "dtype": cfg.param_dtype, "tie_word_embeddings": False,
+            "text_config": text}

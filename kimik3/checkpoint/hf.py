@@ -1,0 +1,249 @@
+"""Load an HF checkpoint directory (config.json + safetensors shards, official Kimi Linear / K3
+key names) into our parameter tree, tensor by tensor.
+
+Each tensor is memory-mapped, transformed (HF stores Linear weights [out, in]; we store [in, out]),
+and placed straight into its (possibly sharded) device array; per-expert tensors are written into
+their row of the stacked expert array with a donated update, so host memory stays near one tensor.
+Anything that does not fit (missing, unknown, wrong shape, truncated file) is an error naming the
+tensor and file, never a silent partial model.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import Config
+from ..model import Model
+from .safetensors_io import CheckpointError, SafetensorsFile
+
+# Multimodal parts of the K3 release share the shard set; the text model skips them.
+SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "language_model.vision_tower.",
+                    "multi_modal_projector.")
+
+
+class Slot(NamedTuple):
+    path: tuple  # keys into our params dict
+    index: int | None  # row of a stacked expert array, or None
+    hf_shape: tuple | None  # expected HF shape (None: checked by the transform)
+    transform: Callable[[np.ndarray], np.ndarray]
+
+
+def _T(a):
+    return a.T
+
+
+def _ident(a):
+    return a
+
+
+def _flat(a):
+    return a.reshape(-1)
+
+
+def _squeeze_mid(a):
+    return a.reshape(a.shape[0], a.shape[-1])
+
+
+def _first(n):
+    def take(a):
+        flat = a.reshape(-1)
+        if flat.size < n:
+            raise CheckpointError(f"holds {flat.size} values, the config needs at least {n}")
+        return flat[:n]
+    return take
+
+
+def hf_param_map(cfg: Config, abstract: dict, prefix: str, head_key: str) -> dict[str, Slot]:
+    """HF key -> where it goes in our tree, for every parameter of `abstract`."""
+    m: dict[str, Slot] = {}
+
+    def linear(hf, path):
+        shape = _get(abstract, path).shape
+        m[hf] = Slot(path, None, (shape[1], shape[0]), _T)
+
+    def vector(hf, path, hf_shape=None, fn=_ident):
+        shape = _get(abstract, path).shape
+        m[hf] = Slot(path, None, hf_shape or shape, fn)
+
+    m[f"{prefix}embed_tokens.weight"] = Slot(("embed_tokens", "embedding"), None,
+                                             (cfg.vocab_size, cfg.hidden_size), _ident)
+    vector(f"{prefix}norm.weight", ("norm", "weight"))
+    if not cfg.tie_word_embeddings:
+        linear(head_key, ("lm_head", "kernel"))
+    if cfg.attn_res_block_size:
+        vector(f"{prefix}output_attn_res_norm.weight", ("output_attn_res", "norm"))
+        vector(f"{prefix}output_attn_res_proj.weight", ("output_attn_res", "proj"), (1, cfg.hidden_size), _flat)
+
+    for i in range(cfg.num_layers):
+        L, p = f"layers_{i}", f"{prefix}layers.{i}."
+        tree = abstract[L]
+        vector(p + "input_layernorm.weight", (L, "input_layernorm", "weight"))
+        vector(p + "post_attention_layernorm.weight", (L, "post_attention_layernorm", "weight"))
+        for hf_name, ours in (("self_attention_res", "self_attention_res"), ("mlp_res", "mlp_res")):
+            if ours in tree:
+                vector(f"{p}{hf_name}_norm.weight", (L, ours, "norm"))
+                vector(f"{p}{hf_name}_proj.weight", (L, ours, "proj"), (1, cfg.hidden_size), _flat)
+        a = p + "self_attn."
+        for name, leaf in tree["self_attn"].items():
+            path = (L, "self_attn", name)
+            if isinstance(leaf, dict) and "kernel" in leaf:  # a projection: [in, out]
+                linear(f"{a}{name}.weight", path + ("kernel",))
+            elif isinstance(leaf, dict):  # a norm
+                vector(f"{a}{name}.weight", path + ("weight",))
+            elif name.endswith("_conv1d"):
+                vector(f"{a}{name}.weight", path, (leaf.shape[0], 1, leaf.shape[1]), _squeeze_mid)
+            elif name == "A_log":
+                vector(f"{a}A_log", path, None, _first(cfg.kda_num_heads))
+            elif name == "o_norm":
+                vector(f"{a}o_norm.weight", path)
+            elif name == "dt_bias":
+                vector(f"{a}dt_bias", path)
+            else:
+                vector(f"{a}{name}.weight", path)
+        if "mlp" in tree:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                linear(f"{p}mlp.{name}.weight", (L, "mlp", name, "kernel"))
+        if "block_sparse_moe" in tree:
+            moe, b = tree["block_sparse_moe"], p + "block_sparse_moe."
+            linear(b + "gate.weight", (L, "block_sparse_moe", "gate"))
+            vector(b + "gate.e_score_correction_bias", (L, "block_sparse_moe", "e_score_correction_bias"))
+            for name, sub in moe.items():
+                if name in ("gate", "e_score_correction_bias", "experts"):
+                    continue
+                if name == "routed_expert_norm":
+                    vector(f"{b}{name}.weight", (L, "block_sparse_moe", name, "weight"))
+                elif name == "shared_experts":
+                    for proj in sub:
+                        linear(f"{b}shared_experts.{proj}.weight", (L, "block_sparse_moe", name, proj, "kernel"))
+                else:
+                    linear(f"{b}{name}.weight", (L, "block_sparse_moe", name, "kernel"))
+            for name, leaf in moe["experts"].items():
+                path = (L, "block_sparse_moe", "experts", name)
+                for e in range(cfg.num_experts):
+                    if name in ("w1", "w2", "w3"):  # dense: ours [E, in, out], HF [out, in]
+                        m[f"{b}experts.{e}.{name}.weight"] = Slot(path, e, (leaf.shape[2], leaf.shape[1]), _T)
+                    else:  # w1_packed -> w1.weight_packed, w1_scale -> w1.weight_scale
+                        w, kind = name.split("_")
+                        m[f"{b}experts.{e}.{w}.weight_{kind}"] = Slot(path, e, tuple(leaf.shape[1:]), _ident)
+    return m
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree, path, value):
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_row(stack, row, index):
+    return jax.lax.dynamic_update_index_in_dim(stack, row.astype(stack.dtype), index, 0)
+
+
+def shard_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) that are not in {path}: {missing[:3]}")
+        return [os.path.join(path, f) for f in files]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    return files
+
+
+def _checkpoint_dtype(raw_config: dict) -> str:
+    text = raw_config.get("text_config") or {}
+    d = raw_config.get("torch_dtype") or raw_config.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(str(d), "bfloat16")
+
+
+def load_hf(path: str, mesh=None, dtype: str | None = None) -> Model:
+    """Load an HF checkpoint directory. dtype None keeps the checkpoint's dtype."""
+    from ..params import abstract as abstract_tree
+
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    files = [SafetensorsFile(p) for p in shard_files(path)]
+    keys = [k for f in files for k in f.keys()]
+    packed = any(k.endswith(".weight_packed") for k in keys)
+    dt = dtype or _checkpoint_dtype(raw)
+    cfg = Config.from_hf(path).replace(expert_format="mxfp4" if packed else "dense", dtype=dt, param_dtype=dt)
+    router = next(((f, k) for f in files for k in f.keys() if k.endswith("block_sparse_moe.gate.weight")), None)
+    if router is not None:  # the router keeps its stored precision (fp32 in Kimi Linear, bf16 in K3)
+        cfg = cfg.replace(router_dtype=str(router[0].dtype(router[1])) if dtype is None else dt)
+    if any(k.startswith("language_model.") for k in keys):
+        prefix, head_key = "language_model.model.", "language_model.lm_head.weight"
+    else:
+        prefix, head_key = "model.", "lm_head.weight"
+
+    abstract = abstract_tree(cfg)
+    if mesh is not None:
+        from sharding import param_shardings
+        shardings = param_shardings(abstract, cfg, mesh)
+    else:
+        shardings = jax.tree.map(lambda _: None, abstract)
+    mapping = hf_param_map(cfg, abstract, prefix, head_key)
+    unused_ok = {f"{prefix}layers.0.self_attention_res_norm.weight",  # the empty bank never mixes
+                 f"{prefix}layers.0.self_attention_res_proj.weight"}
+
+    params: dict = {}
+    seen: set[str] = set()
+    skipped = 0
+    for f in files:
+        for key in f.keys():
+            if key.startswith(SKIPPED_PREFIXES):
+                skipped += 1
+                continue
+            if key in unused_ok:
+                continue
+            slot = mapping.get(key)
+            if slot is None:
+                raise CheckpointError(f"{f.path}: unknown tensor {key!r}: config.json describes no such "
+                                      f"parameter (wrong config for these weights, or not a Kimi checkpoint)")
+            if key in seen:
+                raise CheckpointError(f"{f.path}: tensor {key!r} appears in more than one shard")
+            leaf = _get(abstract, slot.path)
+            if slot.hf_shape is not None and f.shape(key) != tuple(slot.hf_shape):
+                raise CheckpointError(f"{f.path}: tensor {key!r} has shape {list(f.shape(key))}, but "
+                                      f"config.json implies {list(slot.hf_shape)}")
+            try:
+                arr = slot.transform(f.get(key))
+            except CheckpointError as e:
+                raise CheckpointError(f"{f.path}: tensor {key!r} {e}") from None
+            if leaf.dtype == jnp.uint8 and f.dtype(key) != np.uint8:
+                raise CheckpointError(f"{f.path}: tensor {key!r} is {f.dtype(key)}, MXFP4 data must be uint8")
+            sharding = _get(shardings, slot.path)
+            if slot.index is None:
+                _set(params, slot.path, jax.device_put(np.asarray(arr).astype(leaf.dtype), sharding))
+            else:
+                try:
+                    stack = _get(params, slot.path)
+                except KeyError:
+                    stack = jnp.zeros(leaf.shape, leaf.dtype, device=sharding)
+                _set(params, slot.path, _set_row(stack, jnp.asarray(np.asarray(arr)), slot.index))
+            seen.add(key)
+        f.close()
+    missing = [k for k in mapping if k not in seen]
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} tensor(s) the config needs are in no shard, "
+                              f"e.g. {missing[:4]}; the checkpoint is incomplete or does not match config.json")
+    if skipped:
+        print(f"kimik3.load: skipped {skipped} vision/projector tensors (text model only)")
+    return Model(params=params, cfg=cfg)

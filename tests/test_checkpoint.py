@@ -1,0 +1,123 @@
+"""HF safetensors directories (K3 and Kimi Linear key names, MXFP4) and Orbax round trips."""
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kimik3
+from kimik3.checkpoint import CheckpointError, SafetensorsFile, write_safetensors
+from kimik3.checkpoint.hf_export import export_hf
+
+
+def _equal_trees(a, b):
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x.dtype == y.dtype and bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_models, tmp_path_factory):
+    out = {}
+    for name, model in tiny_models.items():
+        d = str(tmp_path_factory.mktemp(name))
+        export_hf(model, d, num_shards=3, extra_tensors={"vision_tower.patch_embed.weight": np.ones((4, 4), np.float32)})
+        out[name] = d
+    return out
+
+
+def test_k3_layout_names_and_mxfp4(exported):
+    d = exported["tiny"]
+    with open(os.path.join(d, "model.safetensors.index.json")) as f:
+        names = set(json.load(f)["weight_map"])
+    for key in ("language_model.lm_head.weight", "language_model.model.output_attn_res_proj.weight",
+                "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_packed",
+                "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_scale",
+                "language_model.model.layers.1.block_sparse_moe.routed_expert_norm.weight",
+                "language_model.model.layers.0.self_attn.q_conv1d.weight",
+                "language_model.model.layers.2.self_attn.kv_b_proj.weight"):
+        assert key in names, key
+    assert "language_model.model.layers.0.mlp.gate_proj.weight" in names  # dense layer 0 is mlp.*
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-linear"])
+def test_hf_load_is_exact(tiny_models, exported, name, capsys):
+    model = kimik3.load(exported[name])
+    assert "skipped 1 vision/projector tensors" in capsys.readouterr().out
+    assert _equal_trees(model.params, tiny_models[name].params)
+    toks = np.arange(12, dtype=np.int32).reshape(1, 12)
+    np.testing.assert_array_equal(kimik3.forward(model, toks), kimik3.forward(tiny_models[name], toks))
+
+
+def test_orbax_round_trip_is_bit_exact_and_restores_onto_a_mesh(tiny_models, tmp_path):
+    import sharding
+
+    model = tiny_models["tiny"]
+    kimik3.save(model, str(tmp_path / "ckpt"))
+    back = kimik3.load(str(tmp_path / "ckpt"))
+    assert back.cfg == model.cfg and _equal_trees(back.params, model.params)
+    mesh = sharding.make_mesh(tensor=4)
+    placed = kimik3.load(str(tmp_path / "ckpt"), mesh=mesh)
+    q = placed.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+    assert q.addressable_shards[0].data.shape == (q.shape[0], q.shape[1] // 4)
+    assert _equal_trees(jax.tree.map(np.asarray, placed.params), jax.tree.map(np.asarray, model.params))
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_shard(d, fn):
+    """Apply fn(dict of tensors) to the shard holding layer 1's router and rewrite it."""
+    with open(os.path.join(d, "model.safetensors.index.json")) as f:
+        wm = json.load(f)["weight_map"]
+    key = next(k for k in wm if k.endswith("layers.1.block_sparse_moe.gate.weight"))
+    path = os.path.join(d, wm[key])
+    f = SafetensorsFile(path)
+    tensors = {k: np.array(f.get(k)) for k in f.keys()}
+    f.close()
+    fn(tensors, key)
+    write_safetensors(path, tensors)
+    return key
+
+
+def test_bad_checkpoints_fail_with_the_tensor_named(exported, tmp_path):
+    src = exported["tiny-linear"]
+    d = _copy(src, tmp_path / "missing")
+    key = _rewrite_shard(d, lambda t, k: t.pop(k))
+    with pytest.raises(CheckpointError, match="in no shard.*" + key.replace(".", r"\.")):
+        kimik3.load(d)
+
+    d = _copy(src, tmp_path / "shape")
+    key = _rewrite_shard(d, lambda t, k: t.__setitem__(k, t[k][:, :-1]))
+    with pytest.raises(CheckpointError, match=key.replace(".", r"\.") + r".*shape.*config.json implies"):
+        kimik3.load(d)
+
+    d = _copy(src, tmp_path / "unknown")
+    _rewrite_shard(d, lambda t, k: t.__setitem__("model.layers.1.block_sparse_moe.mystery.weight", t[k]))
+    with pytest.raises(CheckpointError, match="unknown tensor 'model.layers.1.block_sparse_moe.mystery.weight'"):
+        kimik3.load(d)
+
+    d = _copy(src, tmp_path / "truncated")
+    shard = sorted(p for p in os.listdir(d) if p.endswith(".safetensors"))[0]
+    size = os.path.getsize(os.path.join(d, shard))
+    with open(os.path.join(d, shard), "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(CheckpointError, match=f"{shard}: truncated"):
+        kimik3.load(d)
+
+    d = _copy(src, tmp_path / "config")
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["moe_intermediate_size"] = 64  # the weights were saved with 32
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(CheckpointError, match="' has shape \\[32, 64\\], but config.json implies \\[64, 64\\]"):
+        kimik3.load(d)
+
+    with pytest.raises(FileNotFoundError, match="neither config.json"):
+        kimik3.load(str(tmp_path))
