@@ -12,8 +12,8 @@ from .io import load, save
 from .params import abstract, init, param_count
 from .runtime import decode_step, extend, forward, prefill
 from .sampling import sample
-from .tokenizer import ByteTokenizer, Tokenizer, default_tokenizer
+from .tokenizer import ByteTokenizer, KimiTokenizer, Tokenizer, default_tokenizer, load_tokenizer
 
 __all__ = ["Config", "ConfigError", "PRESETS", "generate", "Cache", "KimiLM", "Model", "init_cache",
            "load", "save", "abstract", "init", "param_count", "decode_step", "extend", "forward", "prefill", "sample",
-           "ByteTokenizer", "Tokenizer", "default_tokenizer"]
+           "ByteTokenizer", "KimiTokenizer", "Tokenizer", "default_tokenizer", "load_tokenizer"]

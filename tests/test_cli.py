@@ -1,0 +1,24 @@
+import kimik3
+from kimik3.checkpoint.hf_export import export_hf
+from kimik3.cli import main
+
+
+def test_generate_from_a_preset(capsys):
+    assert main(["generate", "--model", "tiny", "--prompt", "Hello", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "model tiny (random weights, seed 0)" in out and "4 tokens in" in out
+
+
+def test_generate_from_a_checkpoint_directory(tiny_models, tmp_path, capsys):
+    export_hf(tiny_models["tiny-linear"], str(tmp_path))
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    expect = kimik3.generate(tiny_models["tiny-linear"], ["Hi"], max_new_tokens=3)[0]
+    assert f"tokens: {expect}" in out
+
+
+def test_bad_model_and_prompt(capsys):
+    assert main(["generate", "--model", "kimi-k9", "--prompt", "x"]) == 2
+    assert "unknown preset 'kimi-k9'" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny", "--prompt", "x", "--chat"]) == 2
+    assert "no chat template" in capsys.readouterr().err
