@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-import kernels_pallas
-import kernels_pallas.mla.decode
 from kernels_pallas import resolve_backend
+from kernels_pallas.mla import mla_decode
+from kernels_pallas.mla.decode import CACHE_DIM
 
 from .common import F32, INIT_STD, RMSNorm, dense
 from .kda import RECURRENT_MAX_T
@@ -86,13 +86,13 @@ class MLA(nn.Module):
         lat_k, rot_k = keys[..., :R], keys[..., R:]
 
         use_kernel = (cache is not None and T == 1 and resolve_backend(backend) != "reference"
-                      and R + dr == kernels_pallas.mla.decode.CACHE_DIM and keys.shape[1] % PAGE == 0)
+                      and R + dr == CACHE_DIM and keys.shape[1] % PAGE == 0)
         if use_kernel:  # one-token decode: the Pallas flash-decoding kernel over the latent cache
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
             S = keys.shape[1]
             paged = keys.reshape(B * S // PAGE, PAGE, R + dr)  # contiguous rows viewed as pages
             table = (jnp.arange(B)[:, None] * (S // PAGE) + jnp.arange(S // PAGE)[None]).astype(jnp.int32)
-            o_lat, _ = kernels_pallas.mla_decode(jnp.concatenate([q_lat, q_rope], -1).astype(dt), paged, table,
+            o_lat, _ = mla_decode(jnp.concatenate([q_lat, q_rope], -1).astype(dt), paged, table,
                                                  (start + n_new).astype(jnp.int32), scale=scale,
                                                  backend=backend)
             o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
