@@ -17,9 +17,10 @@ from .tokenizer import default_tokenizer
 def _decode_and_sample(model: Model, cache: Cache, tokens, active, keys, temperature, top_k, top_p,
                        backend=None):
     logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tokens[:, None], cache.layers,
-                                             cache.lengths, active, backend=backend)
+                                             cache.lengths, active, backend=backend,
+                                             page_table=cache.page_table)
     nxt = sample(logits[:, 0], keys, temperature, top_k, top_p)
-    return nxt, Cache(lengths=cache.lengths + active, layers=layers)
+    return nxt, cache.replace(lengths=cache.lengths + active, layers=layers)
 
 
 _sample = jax.jit(sample)

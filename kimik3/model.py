@@ -32,6 +32,7 @@ class Cache:
     """Decode state for a batch of sequences. `lengths[b]`: tokens already held for row b."""
     lengths: jax.Array
     layers: tuple  # per layer: {"state", "conv"} (KDA) or {"latent"} (MLA)
+    page_table: jax.Array | None = None  # [B, pages per row] when the MLA latents are paged
 
     @property
     def batch(self) -> int:
@@ -41,7 +42,8 @@ class Cache:
     def max_seq_len(self) -> int:
         for entry in self.layers:
             if "latent" in entry:
-                return entry["latent"].shape[1]
+                pages = 1 if self.page_table is None else self.page_table.shape[1]
+                return pages * entry["latent"].shape[1]
         return 2 ** 31 - 1  # no MLA layer: KDA state is fixed-size, any length fits
 
 
@@ -62,7 +64,7 @@ class DecoderLayer(nn.Module):
     index: int
 
     @nn.compact
-    def __call__(self, bank, p, cache, start, n_new, backend):
+    def __call__(self, bank, p, cache, start, n_new, backend, page_table=None):
         cfg, i = self.cfg, self.index
         bs = cfg.attn_res_block_size
         D, eps, pdt = cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype
@@ -77,7 +79,7 @@ class DecoderLayer(nn.Module):
         if cfg.layer_types[i] == "kda":
             a, cache = KDA(cfg, name="self_attn")(x, cache, n_new, backend)
         else:
-            a, cache = MLA(cfg, name="self_attn")(x, cache, start, n_new, backend)
+            a, cache = MLA(cfg, name="self_attn")(x, cache, start, n_new, backend, page_table)
         p = a if p is None else p + a
         # MLP side
         y = AttnResMix(D, eps, pdt, name="mlp_res")(bank + [p]) if bs else p
@@ -93,7 +95,7 @@ class KimiLM(nn.Module):
     cfg: Config
 
     @nn.compact
-    def __call__(self, tokens, cache_layers=None, start=None, n_new=None, backend=None):
+    def __call__(self, tokens, cache_layers=None, start=None, n_new=None, backend=None, page_table=None):
         """tokens [B, T] -> (logits [B, T, V] fp32, new cache layers or None).
 
         Without cache_layers: a causal pass over `tokens` alone (fresh sequences).
@@ -113,7 +115,8 @@ class KimiLM(nn.Module):
         new_layers = []
         for i in range(cfg.num_layers):
             entry = None if cache_layers is None else cache_layers[i]
-            bank, p, entry = DecoderLayer(cfg, i, name=f"layers_{i}")(bank, p, entry, start, n_new, backend)
+            bank, p, entry = DecoderLayer(cfg, i, name=f"layers_{i}")(bank, p, entry, start, n_new, backend,
+                                                                      page_table)
             new_layers.append(entry)
         if cfg.attn_res_block_size:
             p = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype,

@@ -47,8 +47,9 @@ def forward(model: Model, tokens, backend=None):
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("cache",))
 def _extend(model: Model, cache: Cache, tokens, n_new, backend=None):
     logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tokens, cache.layers,
-                                             cache.lengths, n_new, backend=backend)
-    return logits, Cache(lengths=cache.lengths + n_new, layers=layers)
+                                             cache.lengths, n_new, backend=backend,
+                                             page_table=cache.page_table)
+    return logits, cache.replace(lengths=cache.lengths + n_new, layers=layers)
 
 
 def extend(model: Model, cache: Cache, tokens, n_new=None, backend=None):

@@ -14,7 +14,6 @@ from kernels_pallas.mla.decode import CACHE_DIM
 from .common import F32, INIT_STD, RMSNorm, dense
 from .kda import RECURRENT_MAX_T
 
-PAGE = 64  # page size the contiguous cache is viewed with when the decode kernel reads it
 MASKED = -1e30  # finite, so a row with no visible keys stays finite (it is padding anyway)
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -43,9 +42,10 @@ class MLA(nn.Module):
     cfg: object
 
     @nn.compact
-    def __call__(self, x, cache, start, n_new, backend=None):
-        """x [B, T, D]; cache {"latent": [B, S, C]} or None (no cache: causal over x itself);
-        start [B] tokens already cached; n_new [B] valid new tokens."""
+    def __call__(self, x, cache, start, n_new, backend=None, page_table=None):
+        """x [B, T, D]; cache {"latent": [B, S, C]} (contiguous) or {"latent": [pages, P, C]} with
+        page_table [B, pages per row], or None (no cache: causal over x itself); start [B] tokens
+        already cached; n_new [B] valid new tokens."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, dn, dr, dv, R = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -70,33 +70,38 @@ class MLA(nn.Module):
         w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]
 
         t = jnp.arange(T)
+        use_kernel = False
         if cache is None:
             keys, key_pos = entries, t[None, :].repeat(B, 0)
             visible = key_pos[:, None, :] <= t[None, :, None]  # [B, T, S]
             new_cache = None
         else:
-            S = cache["latent"].shape[1]
-            pos = jnp.where(t[None, :] < n_new[:, None], start[:, None] + t[None, :], S)  # S = dropped
-            keys = cache["latent"].at[jnp.arange(B)[:, None], pos].set(entries, mode="drop")
-            new_cache = {"latent": keys}
-            s = jnp.arange(S)
-            end = start + n_new
-            visible = (s[None, None, :] < end[:, None, None]) & (
-                s[None, None, :] <= (start[:, None] + t[None, :])[..., None])
-        lat_k, rot_k = keys[..., :R], keys[..., R:]
+            # The cache is pages [num_pages, P, C] and a page table [B, pages per row]; without a
+            # table it is contiguous [B, S, C]: row b is one page of size S.
+            latent = cache["latent"]
+            table = jnp.arange(B, dtype=jnp.int32)[:, None] if page_table is None else page_table
+            P = latent.shape[1]
+            S = table.shape[1] * P
+            pos = start[:, None] + t[None, :]
+            slot = jnp.take_along_axis(table, jnp.clip(pos // P, 0, table.shape[1] - 1), axis=1)
+            slot = jnp.where(t[None, :] < n_new[:, None], slot, latent.shape[0])  # padding: dropped
+            latent = latent.at[slot, pos % P].set(entries, mode="drop")
+            new_cache = {"latent": latent}
+            use_kernel = T == 1 and resolve_backend(backend) != "reference" and R + dr == CACHE_DIM
+            if not use_kernel:
+                keys = latent[table].reshape(B, S, R + dr)
+                s = jnp.arange(S)
+                end = start + n_new
+                visible = (s[None, None, :] < end[:, None, None]) & (
+                    s[None, None, :] <= (start[:, None] + t[None, :])[..., None])
 
-        use_kernel = (cache is not None and T == 1 and resolve_backend(backend) != "reference"
-                      and R + dr == CACHE_DIM and keys.shape[1] % PAGE == 0)
-        if use_kernel:  # one-token decode: the Pallas flash-decoding kernel over the latent cache
+        if use_kernel:  # one-token decode: the Pallas flash-decoding kernel reads the pages directly
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
-            S = keys.shape[1]
-            paged = keys.reshape(B * S // PAGE, PAGE, R + dr)  # contiguous rows viewed as pages
-            table = (jnp.arange(B)[:, None] * (S // PAGE) + jnp.arange(S // PAGE)[None]).astype(jnp.int32)
-            o_lat, _ = mla_decode(jnp.concatenate([q_lat, q_rope], -1).astype(dt), paged, table,
-                                                 (start + n_new).astype(jnp.int32), scale=scale,
-                                                 backend=backend)
+            o_lat, _ = mla_decode(jnp.concatenate([q_lat, q_rope], -1).astype(dt), latent, table,
+                                  (start + n_new).astype(jnp.int32), scale=scale, backend=backend)
             o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
         elif cache is not None and T <= RECURRENT_MAX_T:  # absorbed form
+            lat_k, rot_k = keys[..., :R], keys[..., R:]
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
             scores = (jnp.einsum("bthc,bsc->bhts", q_lat, lat_k, precision=HIGHEST)
                       + jnp.einsum("bthr,bsr->bhts", q_rope, rot_k, precision=HIGHEST)) * scale
@@ -104,6 +109,7 @@ class MLA(nn.Module):
                 "bhts,bsc->bthc", p.astype(dt), lat_k, precision=HIGHEST))
             o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
         else:  # expanded form
+            lat_k, rot_k = keys[..., :R], keys[..., R:]
             k_nope = jnp.einsum("bsc,chn->bshn", lat_k, w_uk, precision=HIGHEST)
             v = jnp.einsum("bsc,chv->bshv", lat_k, w_uv, precision=HIGHEST)
             scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, precision=HIGHEST)
