@@ -121,3 +121,14 @@ def test_bad_checkpoints_fail_with_the_tensor_named(exported, tmp_path):
 
     with pytest.raises(FileNotFoundError, match="neither config.json"):
         kimik3.load(str(tmp_path))
+
+
+def test_transformers_spelling_of_dense_layers_loads(tiny_models, exported, tmp_path):
+    """save_pretrained writes the dense layer 0 as block_sparse_moe.*; it is the same tensor."""
+    d = _copy(exported["tiny-linear"], tmp_path / "alias")
+    for shard in [p for p in os.listdir(d) if p.endswith(".safetensors")]:
+        f = SafetensorsFile(os.path.join(d, shard))
+        tensors = {k.replace("layers.0.mlp.", "layers.0.block_sparse_moe."): np.array(f.get(k)) for k in f.keys()}
+        f.close()
+        write_safetensors(os.path.join(d, shard), tensors)
+    assert _equal_trees(kimik3.load(d).params, tiny_models["tiny-linear"].params)

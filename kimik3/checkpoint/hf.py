@@ -99,8 +99,8 @@ def hf_param_map(cfg: Config, abstract: dict, prefix: str, head_key: str) -> dic
                 vector(f"{a}{name}.weight", path + ("weight",))
             elif name.endswith("_conv1d"):
                 vector(f"{a}{name}.weight", path, (leaf.shape[0], 1, leaf.shape[1]), _squeeze_mid)
-            elif name == "A_log":
-                vector(f"{a}A_log", path, None, _first(cfg.kda_num_heads))
+            elif name == "A_log":  # K3: [head_dim] zero-padded; Kimi Linear: [1, 1, H, 1]
+                m[f"{a}A_log"] = Slot(path, None, None, _first(cfg.kda_num_heads))
             elif name == "o_norm":
                 vector(f"{a}o_norm.weight", path)
             elif name == "dt_bias":
@@ -133,6 +133,14 @@ def hf_param_map(cfg: Config, abstract: dict, prefix: str, head_key: str) -> dic
                         w, kind = name.split("_")
                         m[f"{b}experts.{e}.{w}.weight_{kind}"] = Slot(path, e, tuple(leaf.shape[1:]), _ident)
     return m
+
+
+def hf_aliases(cfg: Config, prefix: str) -> dict[str, str]:
+    """Other spellings of official names: transformers' save_pretrained writes the dense layers'
+    `mlp.*` as `block_sparse_moe.*` (it reverses its load-time rename on every `.mlp.`)."""
+    return {f"{prefix}layers.{i}.block_sparse_moe.{n}.weight": f"{prefix}layers.{i}.mlp.{n}.weight"
+            for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)
+            for n in ("gate_proj", "up_proj", "down_proj")}
 
 
 def _get(tree, path):
@@ -200,6 +208,7 @@ def load_hf(path: str, mesh=None, dtype: str | None = None) -> Model:
     else:
         shardings = jax.tree.map(lambda _: None, abstract)
     mapping = hf_param_map(cfg, abstract, prefix, head_key)
+    aliases = hf_aliases(cfg, prefix)
     unused_ok = {f"{prefix}layers.0.self_attention_res_norm.weight",  # the empty bank never mixes
                  f"{prefix}layers.0.self_attention_res_proj.weight"}
 
@@ -207,7 +216,8 @@ def load_hf(path: str, mesh=None, dtype: str | None = None) -> Model:
     seen: set[str] = set()
     skipped = 0
     for f in files:
-        for key in f.keys():
+        for file_key in f.keys():
+            key = aliases.get(file_key, file_key)
             if key.startswith(SKIPPED_PREFIXES):
                 skipped += 1
                 continue
@@ -220,15 +230,15 @@ def load_hf(path: str, mesh=None, dtype: str | None = None) -> Model:
             if key in seen:
                 raise CheckpointError(f"{f.path}: tensor {key!r} appears in more than one shard")
             leaf = _get(abstract, slot.path)
-            if slot.hf_shape is not None and f.shape(key) != tuple(slot.hf_shape):
-                raise CheckpointError(f"{f.path}: tensor {key!r} has shape {list(f.shape(key))}, but "
+            if slot.hf_shape is not None and f.shape(file_key) != tuple(slot.hf_shape):
+                raise CheckpointError(f"{f.path}: tensor {file_key!r} has shape {list(f.shape(file_key))}, but "
                                       f"config.json implies {list(slot.hf_shape)}")
             try:
-                arr = slot.transform(f.get(key))
+                arr = slot.transform(f.get(file_key))
             except CheckpointError as e:
                 raise CheckpointError(f"{f.path}: tensor {key!r} {e}") from None
-            if leaf.dtype == jnp.uint8 and f.dtype(key) != np.uint8:
-                raise CheckpointError(f"{f.path}: tensor {key!r} is {f.dtype(key)}, MXFP4 data must be uint8")
+            if leaf.dtype == jnp.uint8 and f.dtype(file_key) != np.uint8:
+                raise CheckpointError(f"{f.path}: tensor {file_key!r} is {f.dtype(file_key)}, MXFP4 data must be uint8")
             sharding = _get(shardings, slot.path)
             if slot.index is None:
                 _set(params, slot.path, jax.device_put(np.asarray(arr).astype(leaf.dtype), sharding))
