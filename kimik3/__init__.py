@@ -5,6 +5,10 @@
     logits = kimik3.forward(model, tokens)
     toks = kimik3.generate(model, prompts, max_new_tokens=16)
 """
+from . import _xla_workarounds
+
+_xla_workarounds.apply()  # before JAX starts its CPU client
+
 from .config import Config, ConfigError, PRESETS
 from .generation import generate
 from .model import Cache, KimiLM, Model, init_cache

@@ -6,13 +6,12 @@ flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
+import kimik3  # noqa: E402,F401  (applies the XLA:CPU workarounds before JAX starts)
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
-
-import kimik3  # noqa: E402
 
 TINY_VARIANTS = ("tiny", "tiny-linear")
 
