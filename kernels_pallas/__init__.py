@@ -3,7 +3,22 @@
 Imports nothing from kimik3/, sharding/ or serve/.
 """
 from ._backend import BACKENDS, resolve_backend
-from .kda import kda_chunk, kda_chunk_reference, kda_gate, kda_recurrent, l2norm
+from .kda import (kda_chunk, kda_chunk_reference, kda_decode, kda_decode_reference, kda_gate,
+                  kda_recurrent, kda_verify, kda_verify_reference, l2norm)
 
 __all__ = ["BACKENDS", "resolve_backend", "kda_chunk", "kda_chunk_reference", "kda_gate",
-           "kda_recurrent", "l2norm"]
+           "kda_recurrent", "l2norm", "kda_decode", "kda_decode_reference", "kda_verify",
+           "kda_verify_reference"]
+
+from .mla import (merge_partials, mla_decode, mla_decode_reference, mla_prefill,  # noqa: E402
+                  mla_prefill_reference)
+
+__all__ += ["mla_decode", "mla_decode_reference", "merge_partials", "mla_prefill",
+            "mla_prefill_reference"]
+
+from .moe import (GmmConfig, MXFP4Weight, moe_gmm, moe_gmm_glu, moe_gmm_glu_reference,  # noqa: E402
+                  moe_gmm_reference)
+from .moe import tile_metadata as moe_gmm_tile_metadata  # noqa: E402
+
+__all__ += ["GmmConfig", "MXFP4Weight", "moe_gmm", "moe_gmm_glu", "moe_gmm_glu_reference",
+            "moe_gmm_reference", "moe_gmm_tile_metadata"]

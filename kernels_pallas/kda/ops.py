@@ -7,15 +7,24 @@ from .reference import kda_chunk_reference
 
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=None,
-              use_qk_l2norm: bool = False, backend: str | None = None):
-    """Chunked KDA prefill: (o [B,T,H,V], final_state [B,H,K,V] fp32). See reference.py."""
+              use_qk_l2norm: bool = False, backend: str | None = None, safe_gate: bool = False,
+              **kernel_options):
+    """Chunked KDA prefill: (o [B,T,H,V], final_state [B,H,K,V] fp32). See reference.py.
+
+    safe_gate=True: the caller promises g >= -5 per token (K3's bounded gate); the Pallas kernel
+    then forms its diagonal 16x16 blocks with one matmul instead of token-parallel exps.
+    kernel_options (block_v, num_warps_intra, num_warps_scan, num_stages_scan) tune the kernel."""
     backend = resolve_backend(backend)
     if backend == "reference":
         return kda_chunk_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                    lengths=lengths, use_qk_l2norm=use_qk_l2norm)
-    # The Pallas chunk kernel (issue 4) plugs in here.
     from .chunk_pallas import kda_chunk_pallas
 
     return kda_chunk_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                             lengths=lengths, use_qk_l2norm=use_qk_l2norm,
-                            interpret=backend == "interpret")
+                            interpret=backend == "interpret", safe_gate=safe_gate,
+                            **kernel_options)
+
+
+from .decode import kda_decode, kda_decode_reference  # noqa: E402
+from .verify import kda_verify, kda_verify_reference  # noqa: E402

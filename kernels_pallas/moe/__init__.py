@@ -1,0 +1,7 @@
+"""MoE kernels: grouped matmul (ragged_dot) over dense or MXFP4 expert weights, and the MXFP4 codec."""
+from . import mxfp4
+from .gmm import GmmConfig, default_config, moe_gmm, moe_gmm_glu, tile_metadata
+from .reference import MXFP4Weight, glu, moe_gmm_glu_reference, moe_gmm_reference, situ
+
+__all__ = ["mxfp4", "GmmConfig", "default_config", "moe_gmm", "moe_gmm_glu", "tile_metadata",
+           "MXFP4Weight", "glu", "moe_gmm_glu_reference", "moe_gmm_reference", "situ"]

@@ -33,7 +33,8 @@ def dequantize(packed, scales, dtype=jnp.bfloat16):
     lo = lut[(packed & 0x0F).astype(jnp.int32)]
     hi = lut[(packed >> 4).astype(jnp.int32)]
     vals = jnp.stack([lo, hi], axis=-1).reshape(shape)  # column 2j, 2j+1
-    scale = jnp.exp2(jnp.asarray(scales, jnp.float32) - 127.0)
+    # ldexp, not exp2: XLA's exp2 on CPU is inexact for most integer exponents.
+    scale = jnp.ldexp(jnp.float32(1.0), jnp.asarray(scales, jnp.int32) - 127)
     vals = vals.reshape(*shape[:-1], shape[-1] // GROUP, GROUP) * scale[..., None]
     return vals.reshape(shape).astype(dtype)
 

@@ -1,0 +1,375 @@
+"""KDA kernels on the GPU in ONE call: correctness vs the plain-JAX reference, then ours vs FLA's
+chunk_kda / fused_recurrent_kda on identical inputs (agreement + timing), verify timing.
+
+On the device machine (FLA is not installed there; carry its wheel, see ../shared/tools/fla_baseline.py):
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .tools/fla_core-*.whl
+  PYTHONPATH=/tmp/site:. python3 benchmarks/bench_kda.py
+Prints a short table last; full JSON goes to $OUT/bench_kda.json (or ./bench_kda.json).
+"""
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kernels_pallas.kda import (kda_chunk, kda_chunk_reference, kda_decode, kda_gate,  # noqa: E402
+                                kda_recurrent, kda_verify)
+from kernels_pallas.kda.decode import kda_decode_pallas, kda_decode_reference  # noqa: E402
+
+T0 = time.time()
+BUDGET = float(os.environ.get("BENCH_BUDGET_S", "380"))
+OUT = os.environ.get("OUT", ".")
+F32, BF16 = jnp.float32, jnp.bfloat16
+BACKEND = os.environ.get("BENCH_BACKEND", "pallas")  # "interpret": CPU smoke test of this script
+SMOKE = BACKEND == "interpret"
+# BENCH_SECTIONS: comma list of correctness,prefill,decode,verify (default all)
+SECTIONS = os.environ.get("BENCH_SECTIONS", "correctness,prefill,decode,verify").split(",")
+FULL = "correctness" in SECTIONS
+DECODE_SHAPES = [tuple(int(x) for x in s.split("x")) for s in os.environ.get(
+    "BENCH_DECODE", "256x96,1x12,64x12,256x12,1x96,64x96").split(",")]
+VERIFY_CFGS = [tuple(int(x) for x in s.split("x")) for s in os.environ.get(
+    "BENCH_VERIFY", "4x1,8x1,8x2,16x2").split(",")]
+RES = {"jax": jax.__version__, "device": str(jax.devices()[0]), "checks": {}, "prefill": {},
+       "decode": {}, "verify": {}, "errors": {}}
+ROWS = []
+
+
+def left():
+    return BUDGET - (time.time() - T0)
+
+
+def save():
+    with open(os.path.join(OUT, "bench_kda.json"), "w") as fh:
+        json.dump(RES, fh, indent=1, default=str)
+
+
+def rel(a, b):
+    a = jnp.asarray(a, F32)
+    b = jnp.asarray(b, F32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def tjax(f, *args, n=20):
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    t = time.perf_counter()
+    for _ in range(n):
+        r = f(*args)
+    jax.block_until_ready(r)
+    return (time.perf_counter() - t) / n * 1e3  # ms
+
+
+def section(name):
+    def deco(fn):
+        def run(*a, **k):
+            if left() < 20:
+                RES["errors"][name] = "skipped: time budget"
+                return None
+            try:
+                return fn(*a, **k)
+            except Exception:
+                RES["errors"][name] = traceback.format_exc()[-3000:]
+                print(f"[{name}] FAILED\n{RES['errors'][name]}", flush=True)
+            finally:
+                save()
+        return run
+    return deco
+
+
+def make(seed, B, T, H, K, dt, bounded=True, h0=True):
+    ks = jax.random.split(jax.random.key(seed), 8)
+    q = jax.random.normal(ks[0], (B, T, H, K), F32).astype(dt)
+    k = jax.random.normal(ks[1], (B, T, H, K), F32).astype(dt)
+    v = jax.random.normal(ks[2], (B, T, H, K), F32).astype(dt)
+    f = jax.random.normal(ks[3], (B, T, H, K), F32)
+    A_log = jax.random.uniform(ks[4], (H,), minval=-1.0, maxval=1.0)
+    dtb = jax.random.normal(ks[5], (H * K,)) * 0.5
+    g = jax.jit(lambda f: kda_gate(f, A_log, dtb, lower_bound=-5.0 if bounded else None))(f)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[6], (B, T, H))).astype(dt)
+    s0 = jax.random.normal(ks[7], (B, H, K, K), F32) * 0.1 if h0 else None
+    return q, k, v, g, beta, s0
+
+
+# ------------------------------------------------------------------------------------------
+@section("correctness")
+def correctness():
+    cases = [  # B, T, H, K, dtype, bounded, safe, lengths
+        (2, 1000, 4, 128, BF16, True, False, [1000, 333]),
+        (2, 1000, 4, 128, BF16, True, True, [1000, 333]),
+        (2, 257, 3, 128, F32, False, False, [257, 65]),
+        (1, 4096, 2, 64, BF16, False, False, None),
+    ] if not SMOKE else [(2, 100, 1, 32, BF16, True, True, [100, 33])]
+    ref = jax.jit(kda_chunk_reference, static_argnames=("use_qk_l2norm",))
+    for (B, T, H, K, dt, bounded, safe, lens) in cases:
+        q, k, v, g, beta, s0 = make(T + H, B, T, H, K, dt, bounded)
+        L = None if lens is None else jnp.array(lens, jnp.int32)
+        o, s = kda_chunk(q, k, v, g, beta, initial_state=s0, lengths=L, use_qk_l2norm=True,
+                         safe_gate=safe, backend=BACKEND)
+        # the oracle in fp32 from the same (rounded) inputs
+        up = lambda x: x.astype(F32)
+        ro, rs = ref(up(q), up(k), up(v), g, up(beta), initial_state=s0, lengths=L,
+                     use_qk_l2norm=True)
+        key = f"chunk B{B} T{T} H{H} K{K} {jnp.dtype(dt).name} {'bounded' if bounded else 'softplus'}{' safe' if safe else ''}"
+        RES["checks"][key] = {"o_rel": rel(o, ro), "state_rel": rel(s, rs),
+                              "finite": bool(jnp.isfinite(o.astype(F32)).all())}
+        print(key, RES["checks"][key], flush=True)
+    # decode
+    for (B, H, dt, lb) in [(4, 12, BF16, -5.0), (3, 8, BF16, None), (2, 4, F32, None)][:3 - 2 * SMOKE]:
+        a = decode_inputs(B, H, 128, dt)
+        r = jax.jit(kda_decode_reference, static_argnames=("num_heads", "lower_bound"))(
+            **a, num_heads=H, lower_bound=lb)
+        p = kda_decode(**{n: x.copy() for n, x in a.items()}, num_heads=H, lower_bound=lb,
+                       backend=BACKEND)
+        key = f"decode B{B} H{H} {jnp.dtype(dt).name} lb={lb}"
+        RES["checks"][key] = {"o_rel": rel(p[0], r[0]), "conv_rel": rel(p[1], r[1]),
+                              "state_rel": rel(p[2], r[2])}
+        print(key, RES["checks"][key], flush=True)
+    # verify
+    for (B, T, H, dt, lens) in [(1, 4, 12, BF16, None), (3, 8, 4, F32, [8, 3, 5])][:2 - SMOKE]:
+        q, k, v, g, beta, s0 = make(5, B, T, H, 128, dt)
+        L = None if lens is None else jnp.array(lens, jnp.int32)
+        o, hs = kda_verify(q, k, v, g, beta, s0, lengths=L, use_qk_l2norm=True, backend=BACKEND)
+        ro, rhs = kda_verify(q, k, v, g, beta, s0, lengths=L, use_qk_l2norm=True,
+                             backend="reference")
+        key = f"verify B{B} T{T} H{H} {jnp.dtype(dt).name}"
+        RES["checks"][key] = {"o_rel": rel(o, ro), "states_rel": rel(hs, rhs)}
+        print(key, RES["checks"][key], flush=True)
+
+
+def decode_inputs(B, H, K, dt, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 10)
+    P = H * K
+    return dict(qkv=jax.random.normal(ks[0], (B, 3 * P)).astype(dt),
+                conv_state=jax.random.normal(ks[1], (B, 3, 3 * P)).astype(dt),
+                conv_w=jax.random.normal(ks[2], (3 * P, 4)) * 0.5,
+                f=jax.random.normal(ks[3], (B, P)).astype(dt),
+                A_log=jax.random.uniform(ks[4], (128,)),
+                dt_bias=jax.random.normal(ks[5], (P,)),
+                b=jax.random.normal(ks[6], (B, H)).astype(dt),
+                gate=jax.random.normal(ks[7], (B, P)).astype(dt),
+                o_norm_w=1 + 0.1 * jax.random.normal(ks[8], (K,)),
+                state=jax.random.normal(ks[9], (B, H, K, K)) * 0.1)
+
+
+# ------------------------------------------------------------------------------------------
+def to_torch(x):
+    import torch
+    jax.block_until_ready(x)
+    try:
+        return torch.utils.dlpack.from_dlpack(x)
+    except Exception:
+        a = np.asarray(x)
+        if x.dtype == BF16:
+            return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16).cuda()
+        return torch.from_numpy(a.copy()).cuda()
+
+
+def from_torch(t):
+    import torch
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return jnp.asarray(t.detach().cpu().numpy())
+
+
+def fla():
+    import torch  # noqa: F401
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    from triton.testing import do_bench
+    return chunk_kda, fused_recurrent_kda, do_bench
+
+
+@section("prefill")
+def prefill(shapes):
+    chunk_kda, _, do_bench = fla()
+    for (B, T, H) in shapes:
+        if left() < 60:
+            RES["errors"][f"prefill B{B} T{T} H{H}"] = "skipped: time budget"
+            continue
+        K = 128
+        q, k, v, g, beta, s0 = make(B * T + H, B, T, H, K, BF16, bounded=True)
+        rec = {}
+        for safe in (False, True):
+            f = jax.jit(lambda q, k, v, g, b, s, safe=safe: kda_chunk(
+                q, k, v, g, b, initial_state=s, use_qk_l2norm=True, safe_gate=safe,
+                backend=BACKEND))
+            o, st = f(q, k, v, g, beta, s0)
+            ms = tjax(f, q, k, v, g, beta, s0, n=20)
+            rec[f"ours{'_safe' if safe else ''}_ms"] = ms
+            rec[f"ours{'_safe' if safe else ''}"] = (o, st)
+        tq, tk, tv, tg, tb, ts = map(to_torch, (q, k, v, g, beta, s0))
+        ts = ts.clone()
+        for safe in (False, True):
+            kw = dict(initial_state=ts, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            if safe:
+                kw.update(safe_gate=True, lower_bound=-5.0)
+            fn = lambda kw=kw: chunk_kda(tq, tk, tv, tg, tb, **kw)
+            fo, fs = fn()
+            fo, fs = from_torch(fo), from_torch(fs)
+            tag = "fla_safe" if safe else "fla"
+            o, st = rec["ours_safe" if safe else "ours"]
+            rec[f"agree_{tag}"] = {"o_rel": rel(o, fo), "state_rel": rel(st, fs)}
+            rec[f"{tag}_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+        del rec["ours"], rec["ours_safe"]
+        RES["prefill"][f"B{B} T{T} H{H}"] = rec
+        print(f"prefill B{B} T{T} H{H}", rec, flush=True)
+        ROWS.append((f"prefill B{B} T{T} H{H} (exact diag vs FLA)", rec["ours_ms"], rec["fla_ms"], "ms"))
+        ROWS.append((f"prefill B{B} T{T} H{H} (safe_gate both)", rec["ours_safe_ms"], rec["fla_safe_ms"], "ms"))
+
+
+@section("decode")
+def decode(shapes):
+    _, fused_recurrent_kda, do_bench = fla()
+    import torch
+    for (B, H) in shapes:
+        if left() < 25:
+            RES["errors"][f"decode B{B} H{H}"] = "skipped: time budget"
+            continue
+        K = 128
+        a = decode_inputs(B, H, K, BF16, seed=B + H)
+        # ours, per call (Python dispatch included, state/conv donated and updated in place)
+        f = lambda a: kda_decode_pallas(**a, num_heads=H, lower_bound=-5.0)
+        cur = dict(a, conv_state=a["conv_state"].copy(), state=a["state"].copy())
+        for _ in range(3):
+            o, cs, st = f(cur)
+            cur = dict(cur, conv_state=cs, state=st)
+        jax.block_until_ready(st)
+        n = 50
+        t = time.perf_counter()
+        for _ in range(n):
+            o, cs, st = f(cur)
+            cur = dict(cur, conv_state=cs, state=st)
+        jax.block_until_ready(st)
+        us_call = (time.perf_counter() - t) / n * 1e6
+
+        # ours, device loop (no host dispatch): 50 steps inside one jit
+        @jax.jit
+        def loop(a):
+            def body(i, c):
+                cs, st = c
+                _, cs, st = kda_decode_pallas(**dict(a, conv_state=cs, state=st), num_heads=H,
+                                              lower_bound=-5.0)
+                return cs, st
+            return jax.lax.fori_loop(0, n, body, (a["conv_state"], a["state"]))
+        jax.block_until_ready(loop(a))
+        t = time.perf_counter()
+        jax.block_until_ready(loop(a))
+        us_dev = (time.perf_counter() - t) / n * 1e6
+
+        # agreement: FLA's recurrence on the same post-conv / gated inputs, then the same norm
+        if FULL:
+            ref_o, _, ref_s = jax.jit(kda_decode_reference,
+                                      static_argnames=("num_heads", "lower_bound"))(
+                **a, num_heads=H, lower_bound=-5.0)
+        o1, _, s1 = kda_decode_pallas(**{n_: x.copy() for n_, x in a.items()}, num_heads=H,
+                                      lower_bound=-5.0)
+        P = H * K
+        xx = jnp.concatenate([a["conv_state"].astype(F32), a["qkv"].astype(F32)[:, None]], 1)
+        y = jax.nn.silu(jnp.einsum("bwc,cw->bc", xx, a["conv_w"])).astype(BF16)
+        q, k, v = (z.reshape(B, 1, H, K) for z in jnp.split(y, 3, -1))
+        g = kda_gate(a["f"].reshape(B, 1, H, K), a["A_log"], a["dt_bias"], lower_bound=-5.0)
+        beta = jax.nn.sigmoid(a["b"].astype(F32)).reshape(B, 1, H)
+        tq, tk, tv, tg, tb = map(to_torch, (q, k, v, g, beta.astype(BF16)))
+        th = to_torch(a["state"]).clone()
+        fn = lambda: fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=th,
+                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+        fo, fs = fn()
+        fo, fs = from_torch(fo), from_torch(fs)
+        us_fla = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+        us_fla_graph = None
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                for _ in range(20):
+                    fn()
+            gr.replay()
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(5):
+                gr.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            us_fla_graph = e0.elapsed_time(e1) / 100 * 1e3
+        except Exception as e:
+            RES["errors"][f"fla graph B{B} H{H}"] = repr(e)[:300]
+        fo = fo.reshape(B, H, K)
+        fo = fo * jax.lax.rsqrt(jnp.mean(fo * fo, -1, keepdims=True) + 1e-5) * a["o_norm_w"]
+        fo = (fo * jax.nn.sigmoid(a["gate"].astype(F32).reshape(B, H, K))).reshape(B, P)
+        state_bytes = 2 * B * H * K * K * 4
+        rec = {"ours_us_per_call": us_call, "ours_us_device_loop": us_dev, "fla_us": us_fla,
+               "fla_us_cuda_graph": us_fla_graph,
+               "ours_state_TBps_device": state_bytes / (us_dev * 1e-6) / 1e12,
+               "agree_fla": {"o_rel": rel(o1, fo), "state_rel": rel(s1, fs)}}
+        if FULL:
+            rec["vs_reference"] = {"o_rel": rel(o1, ref_o), "state_rel": rel(s1, ref_s)}
+        RES["decode"][f"B{B} H{H}"] = rec
+        print(f"decode B{B} H{H}", rec, flush=True)
+        ROWS.append((f"decode B{B} H{H} per call (ours fused vs FLA recurrence only)", us_call,
+                     us_fla, "us"))
+        ROWS.append((f"decode B{B} H{H} device (ours loop vs FLA graph)", us_dev,
+                     us_fla_graph if us_fla_graph else float("nan"), "us"))
+
+
+@section("verify")
+def verify():
+    B, T, H, K = 1, 4, 12, 128
+    q, k, v, g, beta, s0 = make(9, B, T, H, K, BF16)
+    rec = {}
+    n = 100
+    for bv, nw in VERIFY_CFGS if not SMOKE else [(8, 2)]:
+        if True:
+            f = lambda s: kda_verify(q, k, v, g, beta, s, use_qk_l2norm=True, backend=BACKEND,
+                                     block_v=bv, num_warps=nw)
+
+            @jax.jit
+            def loop(s):
+                def body(i, s):
+                    return f(s)[1][:, -1]
+                return jax.lax.fori_loop(0, n, body, s)
+            jax.block_until_ready(loop(s0))
+            t = time.perf_counter()
+            jax.block_until_ready(loop(s0))
+            rec[f"bv{bv} w{nw} us_device"] = (time.perf_counter() - t) / n * 1e6
+            rec[f"bv{bv} w{nw} us_call"] = tjax(jax.jit(f), s0, n=50) * 1e3
+    RES["verify"]["B1 H12 T4"] = rec
+    best = min((v_, k_) for k_, v_ in rec.items() if k_.endswith("device"))
+    print("verify", rec, flush=True)
+    ROWS.append((f"verify B1 H12 T4 device ({best[1]}; target < 10 us)", best[0], float("nan"), "us"))
+
+
+if __name__ == "__main__":
+    print(RES["device"], flush=True)
+    if "correctness" in SECTIONS:
+        correctness()
+    print(f"[{time.time() - T0:.0f}s] correctness done", flush=True)
+    if SMOKE:
+        verify()
+        print(ROWS, RES["errors"])
+        sys.exit(0)
+    if "prefill" in SECTIONS:
+        prefill([(8, 4096, 12), (1, 8192, 96), (1, 32768, 16)])
+    print(f"[{time.time() - T0:.0f}s] prefill done", flush=True)
+    if "decode" in SECTIONS:
+        decode(DECODE_SHAPES)
+    print(f"[{time.time() - T0:.0f}s] decode done", flush=True)
+    if "verify" in SECTIONS:
+        verify()
+    save()
+    print(f"\n[{time.time() - T0:.0f}s] KDA on {RES['device']}")
+    print(f"{'case':<66} {'ours':>9} {'FLA':>9} {'FLA/ours':>8}")
+    for name, ours, peer, unit in ROWS:
+        print(f"{name:<66} {ours:>7.3f}{unit} {peer:>7.3f}{unit} {peer / ours:>8.2f}")
+    for kk, vv in RES["checks"].items():
+        print("check", kk, {a: (round(b, 6) if isinstance(b, float) else b) for a, b in vv.items()})
+    for kk, vv in RES["errors"].items():
+        print("ERROR", kk, str(vv).splitlines()[-1] if vv else "")

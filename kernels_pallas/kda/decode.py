@@ -1,0 +1,156 @@
+"""Fused one-token KDA decode: one Pallas launch per layer (Triton lowering).
+
+Per (sequence, head) program, for the one new token:
+  conv update (depthwise, width W, SiLU; q, k, v each with its own weights; the conv state rolls
+  in place), q/k l2 norm, the gate (softplus or bounded form) from the raw f, A_log, dt_bias,
+  beta = sigmoid(b), the recurrent update of the fp32 state in place (input_output_aliases),
+  o = S^T (scale q), then gated RMSNorm (o_norm weight, eps, x sigmoid(output gate)) written
+  straight into the [B, H*V] destination.
+
+Layouts follow the model (kimik3/layers/kda.py): qkv [B, 3P] (q | k | v projections, P = H*K),
+conv_state [B, W-1, 3P], conv_w [3P, W] fp32, f [B, P] raw gate projection, A_log [>= H],
+dt_bias [P], b [B, H] beta logits, gate [B, P] raw output gate, o_norm_w [K], state [B, H, K, K]
+fp32. Rounding points follow the model: the conv output is rounded to qkv's dtype before the norm.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .._backend import resolve_backend, triton_params
+from .reference import kda_gate, kda_recurrent, l2norm
+
+F32 = jnp.float32
+
+
+def _decode_kernel(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gate_ref, onw_ref,
+                   s_ref, o_ref, cs_out_ref, s_out_ref, *, W, scale, lower_bound, eps, xdtype):
+    K = qkv_ref.shape[-1]
+    col = jax.lax.broadcasted_iota(jnp.int32, (K, W), 1)
+    ys = []
+    for j in range(3):  # q, k, v
+        hist = [cs_ref[i, j, :].astype(F32) for i in range(W - 1)]
+        x = qkv_ref[j, :].astype(F32)
+        w = cw_ref[j, :, :].astype(F32)  # [K, W]
+        y = x * jnp.sum(jnp.where(col == W - 1, w, 0.0), axis=1)
+        for i in range(W - 1):
+            y = y + hist[i] * jnp.sum(jnp.where(col == i, w, 0.0), axis=1)
+        y = y * jax.nn.sigmoid(y)
+        ys.append(y.astype(xdtype).astype(F32))
+        for i in range(W - 2):
+            cs_out_ref[i, j, :] = hist[i + 1].astype(cs_out_ref.dtype)
+        cs_out_ref[W - 2, j, :] = x.astype(cs_out_ref.dtype)
+    q, k, v = ys
+    q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * scale
+    k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
+
+    z = f_ref[...].astype(F32) + dtb_ref[...].astype(F32)
+    a = jnp.exp(alog_ref[...].astype(F32))
+    if lower_bound is None:
+        sp = jnp.where(z > 20.0, z, jnp.log1p(jnp.exp(jnp.minimum(z, 20.0))))
+        g = -a * sp
+    else:
+        g = lower_bound * jax.nn.sigmoid(a * z)
+    beta = jax.nn.sigmoid(b_ref[...].astype(F32))
+
+    S = s_ref[...] * jnp.exp(g)[:, None]
+    p = jnp.sum(S * k[:, None], axis=0)
+    delta = beta * (v - p)
+    S = S + k[:, None] * delta[None, :]
+    s_out_ref[...] = S
+    o = jnp.sum(S * q[:, None], axis=0)
+
+    o = o * jax.lax.rsqrt(jnp.mean(o * o) + eps) * onw_ref[...].astype(F32)
+    o = o * jax.nn.sigmoid(gate_ref[...].astype(F32))
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "lower_bound", "eps", "scale",
+                                             "interpret", "num_warps"),
+                   donate_argnames=("conv_state", "state"))
+def kda_decode_pallas(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state, *,
+                      num_heads, lower_bound=None, eps=1e-5, scale=None, interpret=False,
+                      num_warps=8):
+    B, P3 = qkv.shape
+    H = num_heads
+    P = P3 // 3
+    K = P // H
+    W = conv_w.shape[-1]
+    scale = float(K ** -0.5 if scale is None else scale)
+    qkv4 = qkv.reshape(B, 3, H, K)
+    cs5 = conv_state.reshape(B, W - 1, 3, H, K)
+    cw4 = conv_w.reshape(3, H, K, W)
+    f3 = f.reshape(B, H, K)
+    dtb = dt_bias.reshape(H, K)
+    alog = A_log.reshape(-1)[:H]
+    g3 = gate.reshape(B, H, K)
+    out, cs_new, s_new = pl.pallas_call(
+        functools.partial(_decode_kernel, W=W, scale=scale, lower_bound=lower_bound, eps=eps,
+                          xdtype=qkv.dtype),
+        grid=(B, H),
+        in_specs=[
+            pl.BlockSpec((None, 3, None, K), lambda b_, h: (b_, 0, h, 0)),          # qkv
+            pl.BlockSpec((None, W - 1, 3, None, K), lambda b_, h: (b_, 0, 0, h, 0)),  # conv state
+            pl.BlockSpec((3, None, K, W), lambda b_, h: (0, h, 0, 0)),             # conv w
+            pl.BlockSpec((None, None, K), lambda b_, h: (b_, h, 0)),               # f
+            pl.BlockSpec((None,), lambda b_, h: (h,)),                            # A_log
+            pl.BlockSpec((None, K), lambda b_, h: (h, 0)),                         # dt_bias
+            pl.BlockSpec((None, None), lambda b_, h: (b_, h)),                     # beta logit
+            pl.BlockSpec((None, None, K), lambda b_, h: (b_, h, 0)),               # out gate
+            pl.BlockSpec((K,), lambda b_, h: (0,)),                                # o_norm w
+            pl.BlockSpec((None, None, K, K), lambda b_, h: (b_, h, 0, 0)),         # state
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, K), lambda b_, h: (b_, h, 0)),
+            pl.BlockSpec((None, W - 1, 3, None, K), lambda b_, h: (b_, 0, 0, h, 0)),
+            pl.BlockSpec((None, None, K, K), lambda b_, h: (b_, h, 0, 0)),
+        ],
+        out_shape=(jax.ShapeDtypeStruct((B, H, K), qkv.dtype),
+                   jax.ShapeDtypeStruct(cs5.shape, conv_state.dtype),
+                   jax.ShapeDtypeStruct(state.shape, F32)),
+        input_output_aliases={1: 1, 9: 2},
+        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_decode",
+    )(qkv4, cs5, cw4, f3, alog, dtb, b, g3, o_norm_w, state)
+    return out.reshape(B, P), cs_new.reshape(conv_state.shape), s_new
+
+
+def kda_decode_reference(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state, *,
+                         num_heads, lower_bound=None, eps=1e-5, scale=None):
+    """The same step composed from reference.py (kda_gate, l2norm, kda_recurrent)."""
+    B, P3 = qkv.shape
+    H = num_heads
+    P = P3 // 3
+    K = P // H
+    W = conv_w.shape[-1]
+    xx = jnp.concatenate([conv_state.astype(F32), qkv.astype(F32)[:, None]], axis=1)  # [B, W, 3P]
+    y = jnp.einsum("bwc,cw->bc", xx, conv_w.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    y = jax.nn.silu(y).astype(qkv.dtype)
+    new_conv = xx[:, 1:].astype(conv_state.dtype)
+    q, k, v = (a.reshape(B, 1, H, K) for a in jnp.split(y, 3, axis=-1))
+    g = kda_gate(f.reshape(B, 1, H, K), A_log, dt_bias, lower_bound=lower_bound)
+    beta = jax.nn.sigmoid(b.astype(F32)).reshape(B, 1, H)
+    o, S = kda_recurrent(l2norm(q), l2norm(k), v.astype(F32), g, beta, scale=scale,
+                         initial_state=state)
+    o = o.reshape(B, H, K)
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * o_norm_w.astype(F32)
+    o = o * jax.nn.sigmoid(gate.astype(F32).reshape(B, H, K))
+    return o.reshape(B, P).astype(qkv.dtype), new_conv, S
+
+
+def kda_decode(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state, *,
+               num_heads, lower_bound=None, eps=1e-5, scale=None, backend=None, num_warps=8):
+    """One decode step of a KDA layer -> (out [B, P] in qkv's dtype, new conv_state, new state).
+
+    On the Pallas backends conv_state and state are donated and updated in place."""
+    backend = resolve_backend(backend)
+    kw = dict(num_heads=num_heads, lower_bound=lower_bound, eps=eps, scale=scale)
+    if backend == "reference":
+        return kda_decode_reference(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w,
+                                    state, **kw)
+    return kda_decode_pallas(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state,
+                             interpret=backend == "interpret", num_warps=num_warps, **kw)

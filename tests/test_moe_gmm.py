@@ -1,0 +1,141 @@
+"""kernels_pallas.moe_gmm: the Pallas kernel (interpret mode) against the plain-JAX reference
+(ragged_dot on dequantised weights), plus exact MXFP4 decoding from hand-built bytes."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas import GmmConfig, MXFP4Weight, moe_gmm, moe_gmm_glu, moe_gmm_tile_metadata
+from kernels_pallas.moe import mxfp4
+from kernels_pallas.moe.gmm import _dequant_tile
+
+
+def _rel(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _groups(rng, m, g, kind):
+    if kind == "one_takes_all":
+        gs = np.zeros(g, np.int32)
+        gs[rng.integers(g)] = m
+        return gs
+    if kind == "empty_and_short":  # several empty experts and a sum < M
+        total = m - int(rng.integers(1, 9))
+        cuts = np.sort(rng.integers(0, total + 1, g - 1))
+        gs = np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
+        gs[rng.choice(g, size=g // 3, replace=False)] = 0
+        return gs
+    # random routing: each row picks an expert uniformly (binomial group sizes, empties likely)
+    return np.bincount(rng.integers(0, g, m), minlength=g).astype(np.int32)
+
+
+def _weights(rng, g, k, n, wtype):
+    w = rng.standard_normal((g, n, k)).astype(np.float32) / np.sqrt(k)  # K3 layout [out, in]
+    if wtype == "mxfp4":
+        p, s = mxfp4.quantize(w)
+        return MXFP4Weight(jnp.asarray(p), jnp.asarray(s))
+    dt = jnp.bfloat16 if wtype == "bf16" else jnp.float32
+    return jnp.asarray(np.swapaxes(w, 1, 2), dt)  # ragged_dot layout [G, K, N]
+
+
+CASES = [
+    # (M, K, N, G, grouping, weights, x dtype, config)
+    (45, 64, 48, 6, "empty_and_short", "bf16", jnp.bfloat16, GmmConfig(16, 32, 32, num_stages=1)),
+    (77, 64, 32, 5, "random", "fp32", jnp.float32, GmmConfig(32, 32, 32, block_m_small=16)),
+    (50, 96, 32, 4, "one_takes_all", "bf16", jnp.bfloat16, GmmConfig(32, 16, 32, block_m_small=16)),
+    (61, 64, 64, 7, "empty_and_short", "mxfp4", jnp.bfloat16, GmmConfig(16, 32, 64)),
+    (40, 128, 32, 3, "one_takes_all", "mxfp4", jnp.float32, GmmConfig(32, 32, 64, block_m_small=16)),
+    (90, 64, 32, 9, "random", "mxfp4", jnp.bfloat16, None),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}K{c[1]}N{c[2]}G{c[3]}-{c[4]}-{c[5]}")
+def test_moe_gmm_matches_reference(case):
+    m, k, n, g, kind, wtype, xdt, cfg = case
+    rng = np.random.default_rng(abs(hash(case[:6])) % 2**32)
+    gs = jnp.asarray(_groups(rng, m, g, kind))
+    x = jnp.asarray(rng.standard_normal((m, k)), xdt)
+    w = _weights(rng, g, k, n, wtype)
+    y = moe_gmm(x, w, gs, backend="interpret", config=cfg)
+    ref = moe_gmm(x, w, gs, backend="reference")
+    assert y.shape == (m, n) and y.dtype == xdt
+    assert not np.any(np.isnan(np.asarray(y, np.float32)))
+    tol = 1e-2 if xdt == jnp.bfloat16 else 1e-5
+    assert _rel(y, ref) < tol
+    total = int(np.sum(np.asarray(gs)))
+    assert np.all(np.asarray(y[total:], np.float32) == 0.0), "rows past sum(group_sizes) must be 0"
+    # ragged_dot on the dequantised weights is the independent peer of the reference
+    wd = w if wtype != "mxfp4" else jnp.swapaxes(mxfp4.dequantize(w.packed, w.scales, xdt), 1, 2)
+    rd = jax.lax.ragged_dot(x, wd.astype(x.dtype), gs, preferred_element_type=jnp.float32)
+    assert _rel(y, rd) < tol
+
+
+@pytest.mark.parametrize("activation,wtype", [("swiglu", "bf16"), ("situ", "mxfp4")])
+def test_moe_gmm_glu_matches_reference(activation, wtype):
+    m, k, n, g = 53, 64, 32, 6
+    rng = np.random.default_rng(7)
+    gs = jnp.asarray(_groups(rng, m, g, "empty_and_short"))
+    x = jnp.asarray(rng.standard_normal((m, k)) * 2, jnp.bfloat16)
+    w1, w3 = _weights(rng, g, k, n, wtype), _weights(rng, g, k, n, wtype)
+    cfg = GmmConfig(32, 32, 64, block_m_small=16)
+    y = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="interpret", config=cfg)
+    ref = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="reference")
+    assert _rel(y, ref) < 1e-2
+    total = int(np.sum(np.asarray(gs)))
+    assert np.all(np.asarray(y[total:], np.float32) == 0.0)
+
+
+def test_tile_metadata_covers_rows_once():
+    rng = np.random.default_rng(3)
+    for m, g, bm in [(100, 7, 16), (33, 4, 32), (16, 3, 16), (5, 9, 16)]:
+        gs = _groups(rng, m, g, "empty_and_short")
+        meta = np.asarray(moe_gmm_tile_metadata(jnp.asarray(gs), m, bm))
+        assert meta.shape == (3, -(-m // bm) + g)
+        cover = np.zeros(m, np.int32)
+        owner = np.repeat(np.arange(g), gs)
+        for grp, s, e in meta.T:
+            if grp < 0:
+                continue
+            assert 0 < e - s <= bm
+            cover[s:e] += 1
+            if grp < g:
+                assert np.all(owner[s:e] == grp)
+            else:
+                assert s >= gs.sum()
+        assert np.all(cover == 1)
+
+
+def test_mxfp4_unpack_hand_built_bytes():
+    # 0x21: low nibble 1 -> 0.5 (column 0), high nibble 2 -> 1.0 (column 1); 0xF8: -0, -6
+    row = np.array([0x21, 0xF8] + [0x00] * 14, np.uint8)
+    packed = np.stack([row, row])[None]                   # [1, 2, 16] -> K = 32
+    scales = np.array([[[127], [128]]], np.uint8)        # row 1: scale byte 128 doubles
+    want = np.zeros((2, 32), np.float32)
+    want[0, :4] = [0.5, 1.0, -0.0, -6.0]
+    want[1, :4] = [1.0, 2.0, -0.0, -12.0]
+    np.testing.assert_array_equal(np.asarray(mxfp4.dequantize(packed, scales, jnp.float32))[0], want)
+    # in-kernel decoding (times 2^-14, undone on the accumulator) is exact for every byte and scale
+    allb = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    # scale bytes 16..240 (the kernel flushes products below 2^-126 * 2^-14 to zero)
+    sc = np.array([[100], [126], [127], [128], [150], [16], [17], [240]] * 2, np.uint8)
+    got = np.asarray(_dequant_tile(jnp.asarray(allb), jnp.asarray(sc), jnp.float32)) * 2.0 ** 14
+    np.testing.assert_array_equal(got, np.asarray(mxfp4.dequantize(allb, sc, jnp.float32)))
+    # through the kernel: x = identity picks weight columns, out[i, n] = w[n, i]
+    x = jnp.eye(32, dtype=jnp.float32)
+    pk = np.zeros((1, 16, 16), np.uint8)
+    sk = np.full((1, 16, 1), 127, np.uint8)
+    pk[0, :2] = packed[0]
+    sk[0, :2] = scales[0]
+    y = moe_gmm(x, MXFP4Weight(jnp.asarray(pk), jnp.asarray(sk)), jnp.array([32], jnp.int32),
+                backend="interpret", config=GmmConfig(16, 16, 32))
+    np.testing.assert_array_equal(np.asarray(y)[:, :2].T, want)
+    assert np.all(np.asarray(y)[:, 2:] == 0)
+
+
+def test_moe_gmm_errors():
+    x = jnp.zeros((4, 64), jnp.bfloat16)
+    w = jnp.zeros((2, 32, 16), jnp.bfloat16)
+    with pytest.raises(ValueError):
+        moe_gmm(x, w, jnp.array([2, 2], jnp.int32), backend="interpret")
