@@ -313,6 +313,7 @@ def decode(shapes):
         if FULL:
             rec["vs_reference"] = {"o_rel": rel(o1, ref_o), "state_rel": rel(s1, ref_s)}
         RES["decode"][f"B{B} H{H}"] = rec
+        save()  # partial results survive a kill
         print(f"decode B{B} H{H}", rec, flush=True)
         ROWS.append((f"decode B{B} H{H} per call (ours fused vs FLA recurrence only)", us_call,
                      us_fla, "us"))
@@ -349,21 +350,18 @@ def verify():
 
 if __name__ == "__main__":
     print(RES["device"], flush=True)
-    if "correctness" in SECTIONS:
-        correctness()
-    print(f"[{time.time() - T0:.0f}s] correctness done", flush=True)
     if SMOKE:
+        if "correctness" in SECTIONS:
+            correctness()
         verify()
         print(ROWS, RES["errors"])
         sys.exit(0)
-    if "prefill" in SECTIONS:
-        prefill([(8, 4096, 12), (1, 8192, 96), (1, 32768, 16)])
-    print(f"[{time.time() - T0:.0f}s] prefill done", flush=True)
-    if "decode" in SECTIONS:
-        decode(DECODE_SHAPES)
-    print(f"[{time.time() - T0:.0f}s] decode done", flush=True)
-    if "verify" in SECTIONS:
-        verify()
+    # sections run in the order BENCH_SECTIONS lists them
+    runners = {"correctness": correctness, "verify": verify, "decode": lambda: decode(DECODE_SHAPES),
+               "prefill": lambda: prefill([(8, 4096, 12), (1, 8192, 96), (1, 32768, 16)])}
+    for name in SECTIONS:
+        runners[name]()
+        print(f"[{time.time() - T0:.0f}s] {name} done", flush=True)
     save()
     print(f"\n[{time.time() - T0:.0f}s] KDA on {RES['device']}")
     print(f"{'case':<66} {'ours':>9} {'FLA':>9} {'FLA/ours':>8}")

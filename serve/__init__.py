@@ -1,2 +1,6 @@
-"""Serving layer (engine, paged cache, batch offline generation). The engine is tracked in issue 7;
-until it lands, `kimik3.generate` is the generation entry point."""
+"""Serving: the continuous-batching engine (paged MLA cache, KDA state slots) and the batch
+offline generation script. Imports kimik3; the model never imports serve."""
+from .engine import Engine, Request, SamplingParams
+from .pages import PageAllocator
+
+__all__ = ["Engine", "Request", "SamplingParams", "PageAllocator"]

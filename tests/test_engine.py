@@ -1,0 +1,104 @@
+"""The serving engine: batching is invisible, pages never leak, preemption recomputes exactly."""
+import numpy as np
+import pytest
+
+import kimik3
+from serve import Engine, PageAllocator, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models["tiny"]
+
+
+def _prompts(n, seed, lo=1, hi=40):
+    rng = np.random.RandomState(seed)
+    return [list(map(int, rng.randint(0, 256, rng.randint(lo, hi)))) for _ in range(n)]
+
+
+def test_fifty_requests_match_one_at_a_time(model):
+    prompts = _prompts(50, 0)
+    alone = [kimik3.generate(model, [p], max_new_tokens=5, stop_tokens=[], max_seq_len=64)[0] for p in prompts]
+    eng = Engine(model, max_batch=6, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=3)
+    assert eng.generate(prompts, max_new_tokens=5, stop_tokens=[]) == alone
+    eng.check_pages()
+    assert eng.allocator.free == eng.allocator.num_pages
+
+
+def test_pages_stay_consistent_under_random_load_and_preemption(model):
+    rng = np.random.RandomState(1)
+    eng = Engine(model, max_batch=4, max_seq_len=48, page_size=4, num_pages=14, prefill_chunk=8, decode_steps=2)
+    prompts = _prompts(14, 2, 1, 30)
+    want = {}
+    for i, p in enumerate(prompts[:6]):
+        eng.submit(p, SamplingParams(max_new_tokens=int(rng.randint(1, 12)), stop_tokens=()), request_id=i)
+    later = list(enumerate(prompts[6:], start=6))
+    steps = 0
+    while eng.has_work() or later:
+        if later and rng.rand() < 0.4:
+            i, p = later.pop(0)
+            eng.submit(p, SamplingParams(max_new_tokens=int(rng.randint(1, 12)), stop_tokens=()), request_id=i)
+        eng.step()
+        eng.check_pages()
+        steps += 1
+        assert steps < 500
+    assert eng.allocator.free == eng.allocator.num_pages
+    done = {r.id: r for r in eng.done}
+    assert sorted(done) == list(range(14))
+    assert sum(r.preemptions for r in done.values()) > 0  # the pool is small enough to force it
+    for i, r in done.items():
+        if not r.finish_reason.startswith("error"):
+            want = kimik3.generate(model, [prompts[i]], max_new_tokens=r.params.max_new_tokens, stop_tokens=[],
+                                   max_seq_len=64)[0]
+            assert r.output == want, i
+
+
+def test_sampling_depends_on_the_seed_not_the_batch(model):
+    p = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=42, stop_tokens=())
+    alone = Engine(model, max_batch=2, max_seq_len=64, page_size=8).generate(["hello"], params=[p])[0]
+    crowd = Engine(model, max_batch=4, max_seq_len=64, page_size=8).generate(
+        ["x", "hello", "a longer prompt here"], params=[SamplingParams(6, 1.0, seed=1), p, SamplingParams(6, 0.7, seed=3)])
+    assert crowd[1] == alone
+    other = Engine(model, max_batch=2, max_seq_len=64, page_size=8).generate(
+        ["hello"], params=[SamplingParams(6, 1.0, top_p=0.9, seed=43, stop_tokens=())])[0]
+    assert other != alone
+
+
+def test_streaming_stop_strings_and_metrics(model):
+    eng = Engine(model, max_batch=2, max_seq_len=64, page_size=8)
+    free = eng.generate(["abc"], max_new_tokens=8, stop_tokens=[])[0]
+    tok = kimik3.default_tokenizer(model.cfg)
+    stop = tok.decode(free[3:5])
+    assert stop, "need printable bytes to stop on"
+    events = list(eng.stream(["abc"], SamplingParams(max_new_tokens=8, stop_tokens=(), stop_strings=(stop,))))
+    req = events[-1][0]
+    assert req.finish_reason == "stop" and stop not in req.text and len(req.output) <= 5
+    assert sum(len(t) for _, t in events) == len(req.output)
+    m = req.metrics
+    assert m["output_tokens"] == len(req.output) and m["ttft_s"] > 0
+
+
+def test_bad_requests_and_budgets(model):
+    eng = Engine(model, max_batch=2, max_seq_len=32, page_size=8)
+    with pytest.raises(ValueError, match="exceeds the engine's max_seq_len 32"):
+        eng.submit(list(range(30)), SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.submit([1, 100000])
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.submit([])
+    with pytest.raises(ValueError, match="holds .* cache pages .* raise the budget"):
+        Engine(model, max_batch=2, max_seq_len=256, page_size=8, memory_budget_bytes=100_000)
+    sized = Engine(model, max_batch=2, max_seq_len=64, page_size=8, memory_budget_bytes=2_000_000)
+    assert sized.allocator.num_pages * sized.page_bytes + 2 * sized.slot_bytes <= 2_000_000
+
+
+def test_page_allocator_catches_misuse():
+    a = PageAllocator(4)
+    p = a.alloc(3, "r1")
+    assert a.alloc(2, "r2") is None and a.free == 1
+    with pytest.raises(AssertionError, match="owned by 'r1'"):
+        a.release(p[:1], "r2")
+    with pytest.raises(AssertionError, match="differ"):
+        a.check({"r1": p[:2]})
+    a.release(p, "r1")
+    a.check({})
