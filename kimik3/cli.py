@@ -7,20 +7,48 @@ import sys
 import time
 
 
+def _load(args):
+    """(model, tokenizer, where the weights came from) for a preset name or a checkpoint dir."""
+    import kimik3
+
+    if os.path.isdir(args.model):
+        model = kimik3.load(args.model)
+        has_bpe = os.path.exists(os.path.join(args.model, "tiktoken.model"))
+        tok = kimik3.load_tokenizer(args.model) if has_bpe else kimik3.default_tokenizer(model.cfg)
+        return model, tok, args.model
+    model = kimik3.init(kimik3.Config.preset(args.model), seed=args.seed)
+    return model, kimik3.default_tokenizer(model.cfg), f"random weights, seed {args.seed}"
+
+
+def _batch(args) -> int:
+    from serve.batch import run_batch
+
+    try:
+        model, tok, origin = _load(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kimik3: {e}", file=sys.stderr)
+        return 2
+    if not os.path.exists(args.input):
+        print(f"kimik3: no input file {args.input}", file=sys.stderr)
+        return 2
+    print(f"kimik3 batch: model {model.cfg.name} ({origin})", file=sys.stderr)
+    summary = run_batch(model, args.input, args.output, tok,
+                        defaults=dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed),
+                        max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
+                        prefill_chunk=args.prefill_chunk, progress=not args.quiet)
+    print(f"kimik3 batch: {summary['requests']} requests, {summary['tokens']} tokens in {summary['seconds']:.1f}s "
+          f"({summary['tokens_per_s']:.1f} tok/s), {summary['errors']} errors, {summary['skipped']} already done",
+          file=sys.stderr)
+    return 0
+
+
 def _generate(args) -> int:
     import kimik3
 
     t0 = time.perf_counter()
     try:
-        if os.path.isdir(args.model):
-            model = kimik3.load(args.model)
-            has_bpe = os.path.exists(os.path.join(args.model, "tiktoken.model"))
-            tok = kimik3.load_tokenizer(args.model) if has_bpe else kimik3.default_tokenizer(model.cfg)
-            origin = args.model
-        else:
-            model = kimik3.init(kimik3.Config.preset(args.model), seed=args.seed)
-            tok = kimik3.default_tokenizer(model.cfg)
-            origin = f"random weights, seed {args.seed}"
+        model, tok, origin = _load(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"kimik3: {e}", file=sys.stderr)
         return 2
@@ -57,8 +85,22 @@ def main(argv=None) -> int:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    b = sub.add_parser("batch", help="offline generation over a JSONL file (resumable)")
+    b.add_argument("--model", default="tiny", help="a preset or a checkpoint directory")
+    b.add_argument("--input", required=True, help="prompts.jsonl: {id, prompt | messages, [sampling fields]}")
+    b.add_argument("--output", required=True, help="results.jsonl (appended; ids already there are skipped)")
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--max-batch", type=int, default=8)
+    b.add_argument("--max-seq-len", type=int, default=1024)
+    b.add_argument("--page-size", type=int, default=16)
+    b.add_argument("--prefill-chunk", type=int, default=32)
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    return {"generate": _generate}[args.cmd](args)
+    return {"generate": _generate, "batch": _batch}[args.cmd](args)
 
 
 if __name__ == "__main__":

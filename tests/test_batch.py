@@ -1,0 +1,90 @@
+"""`kimik3 batch`: results appended as they finish; a SIGKILL'd run resumes to the same output,
+each id exactly once; bad lines become error records."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _write_input(path, n=24):
+    rng = np.random.RandomState(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            if i % 3 == 0:
+                rec = {"id": f"r{i}", "prompt": "hello " * int(rng.randint(1, 6))}
+            else:
+                rec = {"id": i, "prompt": [int(t) for t in rng.randint(0, 256, rng.randint(1, 30))],
+                       "max_new_tokens": int(rng.randint(2, 10)), "temperature": 0.8, "seed": i}
+            f.write(json.dumps(rec) + "\n")
+        f.write("{not json\n")
+        f.write(json.dumps({"id": "long", "prompt": list(range(200))}) + "\n")
+        f.write(json.dumps({"id": "nothing"}) + "\n")
+
+
+def _cmd(inp, out):
+    return [sys.executable, "-m", "kimik3", "batch", "--model", "tiny", "--input", str(inp), "--output", str(out),
+            "--max-new-tokens", "6", "--max-batch", "4", "--max-seq-len", "64", "--page-size", "8", "--quiet"]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_kill_and_resume(tmp_path):
+    inp = tmp_path / "prompts.jsonl"
+    _write_input(inp)
+    ref_out = tmp_path / "ref.jsonl"
+    subprocess.run(_cmd(inp, ref_out), env=_env(), check=True, capture_output=True)
+    ref = {json.dumps(r["id"]): r for r in _records(ref_out)}
+    assert len(ref) == 27
+
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(_cmd(inp, out), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if out.exists() and out.read_text().count("\n") >= 8:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = out.read_text().count("\n")
+    assert 0 < partial < 27, partial  # it really died mid-run
+    with open(out, "a") as f:
+        f.write('{"id": "torn')  # a half-written line, as a kill during write leaves it
+    done = subprocess.run(_cmd(inp, out), env=_env(), check=True, capture_output=True, text=True)
+    assert "already done" in done.stderr
+    got = _records(out)
+    ids = [json.dumps(r["id"]) for r in got]
+    assert len(ids) == len(set(ids)) == 27
+    for r in got:
+        want = ref[json.dumps(r["id"])]
+        for key in ("output_tokens", "text", "error", "finish_reason"):
+            assert r.get(key) == want.get(key), (r["id"], key)
+
+
+def test_error_records_and_summary(tmp_path):
+    inp = tmp_path / "p.jsonl"
+    _write_input(inp, n=3)
+    out = tmp_path / "o.jsonl"
+    res = subprocess.run(_cmd(inp, out)[:-1], env=_env(), check=True, capture_output=True, text=True)
+    recs = {json.dumps(r["id"]): r for r in _records(out)}
+    assert "not JSON" in recs['"line-4"']["error"]
+    assert "exceeds the engine's max_seq_len" in recs['"long"']["error"]
+    assert "needs \"prompt\"" in recs['"nothing"']["error"]
+    assert recs['"r0"']["output_tokens"] and recs['"r0"']["ttft_s"] > 0
+    assert "3 requests" in res.stderr and "3 errors" in res.stderr and "tok/s" in res.stderr
+    assert "6/6 requests" in res.stderr  # the progress bar reached the end
