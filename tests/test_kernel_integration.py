@@ -22,3 +22,25 @@ def test_mla_decode_layer_on_the_kernel():
     np.testing.assert_array_equal(ref_cache["latent"], out_cache["latent"])
     err = jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))
     assert err < 1e-4, err
+
+
+def test_kda_decode_layer_on_the_fused_kernel():
+    from kimik3.layers.kda import KDA, kda_cache_shapes
+
+    for name in ("tiny", "tiny-linear"):  # bounded + full-rank gate, softplus + low-rank gate
+        cfg = kimik3.Config.preset(name)
+        B, D = 3, cfg.hidden_size
+        layer = KDA(cfg)
+        x = jax.random.normal(jax.random.key(0), (B, 1, D))
+        params = layer.init(jax.random.key(1), x, None, jnp.ones(B, jnp.int32))
+        shapes = kda_cache_shapes(cfg, B)
+        cache = {k: jax.random.normal(jax.random.key(i + 2), s).astype(d) for i, (k, (s, d)) in enumerate(shapes.items())}
+        n_new = jnp.array([1, 0, 1], jnp.int32)  # the middle row is an idle slot
+        ref, ref_cache = layer.apply(params, x, jax.tree.map(jnp.copy, cache), n_new, backend="reference")
+        # the fused kernel updates the state in place (donated): hand it a copy
+        out, out_cache = layer.apply(params, x, jax.tree.map(jnp.copy, cache), n_new, backend="interpret")
+        for key in ("state", "conv"):
+            assert jnp.max(jnp.abs(out_cache[key] - ref_cache[key])) < 1e-5, (name, key)
+            np.testing.assert_array_equal(out_cache[key][1], cache[key][1])  # idle row untouched
+        active = np.array([0, 2])
+        assert jnp.max(jnp.abs(out[active] - ref[active])) / jnp.max(jnp.abs(ref[active])) < 1e-5, name
