@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
         y = AttnResMix(D, eps, pdt, name="mlp_res")(bank + [p]) if bs else p
         y = RMSNorm(D, eps, pdt, name="post_attention_layernorm")(y)
         if cfg.is_moe_layer(i):
-            m = MoE(cfg, name="block_sparse_moe")(y)
+            m = MoE(cfg, name="block_sparse_moe")(y, backend)
         else:
             m = MLP(cfg, cfg.intermediate_size, name="mlp")(y)
         return bank, p + m, cache

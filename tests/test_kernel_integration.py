@@ -44,3 +44,16 @@ def test_kda_decode_layer_on_the_fused_kernel():
             np.testing.assert_array_equal(out_cache[key][1], cache[key][1])  # idle row untouched
         active = np.array([0, 2])
         assert jnp.max(jnp.abs(out[active] - ref[active])) / jnp.max(jnp.abs(ref[active])) < 1e-5, name
+
+
+def test_moe_layer_on_the_grouped_matmul_kernel():
+    from kimik3.layers.moe import MoE
+
+    for name in ("tiny", "tiny-linear"):  # MXFP4 latent experts + SiTU; dense experts + SwiGLU
+        cfg = kimik3.Config.preset(name)
+        layer = MoE(cfg)
+        x = jax.random.normal(jax.random.key(0), (2, 9, cfg.hidden_size))
+        params = layer.init(jax.random.key(1), x)
+        ref = layer.apply(params, x, backend="reference")
+        out = layer.apply(params, x, backend="interpret")
+        assert jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)) < 1e-5, name

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from kernels_pallas.moe import mxfp4
+from kernels_pallas.moe import MXFP4Weight, moe_gmm, moe_gmm_glu, mxfp4
 from .common import F32, INIT_STD, RMSNorm, dense, glu
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -49,18 +49,12 @@ def route(logits, bias, cfg):
     return idx, w * cfg.routed_scaling_factor
 
 
-def expert_weight(experts: dict, name: str, dtype):
-    """Routed expert weight `name` as [E, in, out] for a grouped matmul (dense or MXFP4)."""
+def _grouped_weight(experts: dict, name: str, dtype):
+    """Routed expert weight `name` for moe_gmm: dense [E, in, out], or MXFP4 kept packed
+    ([E, out, in/2] + scales; the kernel dequantises in place, the reference path dequantises)."""
     if name in experts:
         return experts[name].astype(dtype)
-    w = mxfp4.dequantize(experts[f"{name}_packed"], experts[f"{name}_scale"], dtype)  # [E, out, in]
-    return jnp.swapaxes(w, 1, 2)
-
-
-def grouped_matmul(x, w, group_sizes):
-    """x [M, K] sorted by group, w [G, K, N], group_sizes [G] -> [M, N] (fp32 accumulation)."""
-    return jax.lax.ragged_dot(x, w, group_sizes, precision=HIGHEST,
-                              preferred_element_type=F32).astype(x.dtype)
+    return MXFP4Weight(experts[f"{name}_packed"], experts[f"{name}_scale"])
 
 
 class Experts(nn.Module):
@@ -68,7 +62,7 @@ class Experts(nn.Module):
     cfg: object
 
     @nn.compact
-    def __call__(self, u, idx, weights):
+    def __call__(self, u, idx, weights, backend=None):
         cfg = self.cfg
         E, I, Din = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_in_dim
         dt = cfg.jnp_dtype
@@ -91,10 +85,11 @@ class Experts(nn.Module):
         order = jnp.argsort(flat, stable=True)
         group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
         xs = u[order // k]
-        a = grouped_matmul(xs, expert_weight(experts, "w1", dt), group_sizes)
-        b = grouped_matmul(xs, expert_weight(experts, "w3", dt), group_sizes)
-        h = glu(cfg, a.astype(F32), b.astype(F32)).astype(dt)
-        y = grouped_matmul(h, expert_weight(experts, "w2", dt), group_sizes)
+        w = {n: _grouped_weight(experts, n, dt) for n in ("w1", "w3", "w2")}
+        act = "situ" if cfg.hidden_act == "situ" else "swiglu"
+        h = moe_gmm_glu(xs, w["w1"], w["w3"], group_sizes, activation=act, backend=backend,
+                        situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta)
+        y = moe_gmm(h.astype(dt), w["w2"], group_sizes, backend=backend)
         y = jnp.zeros_like(y).at[order].set(y).reshape(N, k, -1)
         return jnp.einsum("nk,nkd->nd", weights, y.astype(F32), precision=HIGHEST)
 
@@ -103,7 +98,7 @@ class MoE(nn.Module):
     cfg: object
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, backend=None):
         cfg = self.cfg
         B, T, D = x.shape
         xf = x.reshape(B * T, D)
@@ -115,7 +110,7 @@ class MoE(nn.Module):
 
         latent = cfg.routed_expert_hidden_size
         u = dense(latent, "routed_expert_down_proj", cfg)(xf) if latent else xf
-        routed = Experts(cfg, name="experts")(u, idx, weights)
+        routed = Experts(cfg, name="experts")(u, idx, weights, backend)
         routed = routed.astype(cfg.jnp_dtype)
         if latent:
             if cfg.latent_moe_use_norm:
