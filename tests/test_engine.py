@@ -102,3 +102,13 @@ def test_page_allocator_catches_misuse():
         a.check({"r1": p[:2]})
     a.release(p, "r1")
     a.check({})
+
+
+def test_steady_state_does_not_recompile(model):
+    from serve import steps
+
+    eng = Engine(model, max_batch=3, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=2)
+    eng.generate(_prompts(3, 7), max_new_tokens=4, stop_tokens=[])  # compiles the two step shapes
+    before = (steps.mixed_step._cache_size(), steps.decode_steps._cache_size())
+    eng.generate(_prompts(7, 8), max_new_tokens=9, temperature=0.5, stop_tokens=[])
+    assert (steps.mixed_step._cache_size(), steps.decode_steps._cache_size()) == before
