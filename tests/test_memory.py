@@ -1,0 +1,21 @@
+"""Per-device memory for K3 on 8 devices (the source documents' example: 142K tokens, fp8 cache)."""
+import kimik3
+import sharding
+
+
+def test_k3_tp8_and_dcp8_at_142k_tokens():
+    cfg = kimik3.Config.preset("kimi-k3")
+    tp8 = sharding.memory_report(cfg, tensor=8, tokens=142_000, cache_dtype="float8_e4m3fn")
+    dcp8 = sharding.memory_report(cfg, tensor=8, dcp=8, tokens=142_000, cache_dtype="float8_e4m3fn")
+    print(f"\nK3 TP8: params {tp8['params'] / 2**30:.1f} GiB/GPU, MLA cache {tp8['mla_cache'] / 1e9:.3f} GB, "
+          f"KDA state {tp8['kda_state'] / 2**20:.1f} MiB; TP8+DCP8: MLA cache {dcp8['mla_cache'] / 1e6:.1f} MB; "
+          f"dedup frees {tp8['dedup_saved'] / 2**30:.2f} GiB/GPU")
+    assert tp8["mla_cache"] == 24 * 142_000 * 576  # 1.96 GB, as the source documents say
+    assert abs(dcp8["mla_cache"] - 245.4e6) < 0.1e6  # ~245 MB
+    assert tp8["params"] == dcp8["params"]  # DCP ranks are TP ranks for the weights
+    assert 3.8 < tp8["dedup_saved"] / 2**30 < 3.9  # the documents: about 3.85 GiB per GPU over 92 layers
+    no_dedup = sharding.memory_report(cfg, tensor=8, tokens=142_000, dedup=False)
+    assert no_dedup["params"] - tp8["params"] == tp8["dedup_saved"]
+    # 2.8T params, mostly MXFP4 (0.53 B each), plus what TP8 replicates (embeddings, latent down-proj):
+    # about 205 GB per GPU, within an MI355X's 288 GB, beyond an H200's 141 GB
+    assert 190e9 < tp8["params"] < 215e9
