@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .model import Cache, KimiLM, Model
-from .runtime import bucket, check_tokens, prefill
+from .runtime import bucket, check_tokens, mesh_context, prefill
 from .sampling import sample
 from .tokenizer import default_tokenizer
 
@@ -18,7 +18,7 @@ def _decode_and_sample(model: Model, cache: Cache, tokens, active, keys, tempera
                        backend=None):
     logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tokens[:, None], cache.layers,
                                              cache.lengths, active, backend=backend,
-                                             page_table=cache.page_table)
+                                             page_table=cache.page_table, dcp_axes=cache.dcp_axes)
     nxt = sample(logits[:, 0], keys, temperature, top_k, top_p)
     return nxt, cache.replace(lengths=cache.lengths + active, layers=layers)
 
@@ -33,12 +33,14 @@ def _row_keys(seed: int, n: int, step: int):
 
 def generate(model: Model, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens=None,
-             max_seq_len: int | None = None, tokenizer=None, backend=None) -> list[list[int]]:
+             max_seq_len: int | None = None, tokenizer=None, backend=None, mesh=None,
+             dcp_axes=()) -> list[list[int]]:
     """Generate up to max_new_tokens for each prompt (token lists or strings).
 
     Greedy when temperature == 0; otherwise temperature / top-k / top-p sampling with keys derived
     from `seed` and the prompt's index. A row stops at any of `stop_tokens` (default: the config's
     EOS), which is not included in its output. Returns one list of new token ids per prompt.
+    With `mesh` the cache lives on it; `dcp_axes` splits the MLA cache positions over those axes.
     """
     cfg = model.cfg
     if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], int)):
@@ -65,7 +67,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 16, temperature: float
     if max_new_tokens == 0:
         return out
 
-    last_logits, cache = prefill(model, prompts, max_seq_len, backend=backend)
+    last_logits, cache = prefill(model, prompts, max_seq_len, backend=backend, mesh=mesh, dcp_axes=dcp_axes)
     nxt = _sample(last_logits, _row_keys(seed, B, 0), temperature, top_k, top_p)
     done = np.zeros(B, bool)
     for step in range(max_new_tokens):
@@ -79,7 +81,8 @@ def generate(model: Model, prompts, max_new_tokens: int = 16, temperature: float
         if done.all() or step == max_new_tokens - 1:
             break
         active = jnp.asarray(~done, jnp.int32)
-        nxt, cache = _decode_and_sample(model, cache, jnp.asarray(toks), active,
-                                        _row_keys(seed, B, step + 1), temperature, top_k, top_p,
-                                        backend=backend)
+        with mesh_context(cache.mesh):
+            nxt, cache = _decode_and_sample(model, cache, jnp.asarray(toks), active,
+                                            _row_keys(seed, B, step + 1), temperature, top_k, top_p,
+                                            backend=backend)
     return out

@@ -7,10 +7,13 @@ as they are; caches are explicit inputs and outputs rather than mutable module s
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .config import Config
 from .layers.attnres import AttnResMix
@@ -33,6 +36,8 @@ class Cache:
     lengths: jax.Array
     layers: tuple  # per layer: {"state", "conv"} (KDA) or {"latent"} (MLA)
     page_table: jax.Array | None = None  # [B, pages per row] when the MLA latents are paged
+    mesh: object = struct.field(pytree_node=False, default=None)  # where the cache lives
+    dcp_axes: tuple = struct.field(pytree_node=False, default=())  # mesh axes splitting MLA positions
 
     @property
     def batch(self) -> int:
@@ -52,11 +57,31 @@ def cache_shapes(cfg: Config, batch: int, max_seq_len: int):
                  for t in cfg.layer_types)
 
 
-def init_cache(cfg: Config, batch: int, max_seq_len: int) -> Cache:
-    """Empty cache: zero KDA state and conv state, zero MLA latents, lengths 0."""
-    layers = tuple({k: jnp.zeros(s, d) for k, (s, d) in entry.items()}
-                   for entry in cache_shapes(cfg, batch, max_seq_len))
-    return Cache(lengths=jnp.zeros((batch,), jnp.int32), layers=layers)
+def init_cache(cfg: Config, batch: int, max_seq_len: int, mesh=None, dcp_axes: tuple = ()) -> Cache:
+    """Empty cache: zero KDA state and conv state, zero MLA latents, lengths 0.
+
+    With a mesh and dcp_axes (decode context parallelism), every sequence's MLA positions are split
+    over those mesh axes (each device holds max_seq_len / dcp of them); dcp_axes may name the
+    tensor axis itself (TP8 + DCP8 on 8 devices).
+    """
+    dcp_axes = tuple(dcp_axes)
+    if dcp_axes and mesh is None:
+        raise ValueError("dcp_axes needs the mesh they belong to")
+    if mesh is not None:
+        missing = [a for a in dcp_axes if a not in mesh.axis_names]
+        if missing:
+            raise ValueError(f"dcp_axes {missing} are not axes of the mesh {mesh.axis_names}")
+        n = math.prod(mesh.shape[a] for a in dcp_axes)
+        if max_seq_len % n:
+            raise ValueError(f"max_seq_len {max_seq_len} must be a multiple of the DCP size {n}")
+    layers = []
+    for entry in cache_shapes(cfg, batch, max_seq_len):
+        e = {k: jnp.zeros(s, d) for k, (s, d) in entry.items()}
+        if mesh is not None:
+            spec = P(None, dcp_axes or None, None) if "latent" in e else P()
+            e = {k: jax.device_put(v, NamedSharding(mesh, spec)) for k, v in e.items()}
+        layers.append(e)
+    return Cache(lengths=jnp.zeros((batch,), jnp.int32), layers=tuple(layers), mesh=mesh, dcp_axes=dcp_axes)
 
 
 class DecoderLayer(nn.Module):
@@ -64,7 +89,7 @@ class DecoderLayer(nn.Module):
     index: int
 
     @nn.compact
-    def __call__(self, bank, p, cache, start, n_new, backend, page_table=None):
+    def __call__(self, bank, p, cache, start, n_new, backend, page_table=None, dcp_axes=()):
         cfg, i = self.cfg, self.index
         bs = cfg.attn_res_block_size
         D, eps, pdt = cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype
@@ -79,7 +104,7 @@ class DecoderLayer(nn.Module):
         if cfg.layer_types[i] == "kda":
             a, cache = KDA(cfg, name="self_attn")(x, cache, n_new, backend)
         else:
-            a, cache = MLA(cfg, name="self_attn")(x, cache, start, n_new, backend, page_table)
+            a, cache = MLA(cfg, name="self_attn")(x, cache, start, n_new, backend, page_table, dcp_axes)
         p = a if p is None else p + a
         # MLP side
         y = AttnResMix(D, eps, pdt, name="mlp_res")(bank + [p]) if bs else p
@@ -95,7 +120,8 @@ class KimiLM(nn.Module):
     cfg: Config
 
     @nn.compact
-    def __call__(self, tokens, cache_layers=None, start=None, n_new=None, backend=None, page_table=None):
+    def __call__(self, tokens, cache_layers=None, start=None, n_new=None, backend=None, page_table=None,
+                 dcp_axes=()):
         """tokens [B, T] -> (logits [B, T, V] fp32, new cache layers or None).
 
         Without cache_layers: a causal pass over `tokens` alone (fresh sequences).
@@ -116,7 +142,7 @@ class KimiLM(nn.Module):
         for i in range(cfg.num_layers):
             entry = None if cache_layers is None else cache_layers[i]
             bank, p, entry = DecoderLayer(cfg, i, name=f"layers_{i}")(bank, p, entry, start, n_new, backend,
-                                                                      page_table)
+                                                                      page_table, dcp_axes)
             new_layers.append(entry)
         if cfg.attn_res_block_size:
             p = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype,

@@ -2,6 +2,7 @@
 decode / verify into a cache), and the checks that turn bad input into clear errors before jit."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -48,7 +49,7 @@ def forward(model: Model, tokens, backend=None):
 def _extend(model: Model, cache: Cache, tokens, n_new, backend=None):
     logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tokens, cache.layers,
                                              cache.lengths, n_new, backend=backend,
-                                             page_table=cache.page_table)
+                                             page_table=cache.page_table, dcp_axes=cache.dcp_axes)
     return logits, cache.replace(lengths=cache.lengths + n_new, layers=layers)
 
 
@@ -71,10 +72,16 @@ def extend(model: Model, cache: Cache, tokens, n_new=None, backend=None):
         b = int(over[0])
         raise ValueError(f"row {b}: {int(lengths[b])} cached + {int(n[b])} new tokens exceed the cache's "
                          f"max_seq_len {cache.max_seq_len}; allocate a larger cache")
-    return _extend(model, cache, jnp.asarray(arr, jnp.int32), jnp.asarray(n), backend=backend)
+    with mesh_context(cache.mesh):
+        return _extend(model, cache, jnp.asarray(arr, jnp.int32), jnp.asarray(n), backend=backend)
 
 
-def prefill(model: Model, prompts, max_seq_len: int, backend=None):
+def mesh_context(mesh):
+    """The ambient mesh the sharded cache's attention runs under (a no-op without one)."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def prefill(model: Model, prompts, max_seq_len: int, backend=None, mesh=None, dcp_axes=()):
     """Prefill a batch of prompts (lists of ids, different lengths) into a fresh cache.
 
     Pads to a length bucket so each bucket compiles once. Returns (last-token logits [B, V], cache).
@@ -92,7 +99,7 @@ def prefill(model: Model, prompts, max_seq_len: int, backend=None):
     tokens = np.full((len(prompts), T), pad, np.int32)
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = check_tokens(model.cfg, p, f"prompt {b}")
-    cache = init_cache(model.cfg, len(prompts), max_seq_len)
+    cache = init_cache(model.cfg, len(prompts), max_seq_len, mesh=mesh, dcp_axes=dcp_axes)
     logits, cache = extend(model, cache, tokens, lens, backend=backend)
     last = jnp.take_along_axis(logits, jnp.asarray(lens - 1)[:, None, None], axis=1)[:, 0]
     return last, cache

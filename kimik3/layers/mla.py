@@ -22,6 +22,42 @@ def mla_cache_shapes(cfg, batch: int, max_seq_len: int):
     return {"latent": ((batch, max_seq_len, cfg.mla_cache_dim), cfg.jnp_dtype)}
 
 
+def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes):
+    """Absorbed MLA attention with the cache's positions split over `dcp_axes` (decode context
+    parallelism). Queries are gathered to every rank (replicated in_spec), each rank attends its
+    own slice of every sequence's history, and the partial results merge exactly through their
+    log-sum-exp: a global max (pmax), then sums of rescaled numerators and denominators (psum).
+    A rank with no visible key contributes exp(MASKED - max) = 0."""
+    from jax import shard_map
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(a not in mesh.axis_names for a in dcp_axes):
+        raise ValueError(f"decode context parallelism over {dcp_axes} needs a mesh with those axes: "
+                         "run inside `with jax.set_mesh(mesh):` (kimik3's functions do this for a cache "
+                         "made with init_cache(..., mesh=...))")
+    R = q_lat.shape[-1]
+    T = q_lat.shape[1]
+
+    def local(q_lat, q_rope, keys, start, n_new):
+        S_loc = keys.shape[1]
+        s = jax.lax.axis_index(dcp_axes) * S_loc + jnp.arange(S_loc)
+        t = jnp.arange(T)
+        visible = (s[None, None, :] < (start + n_new)[:, None, None]) & (
+            s[None, None, :] <= (start[:, None] + t[None, :])[..., None])
+        scores = (jnp.einsum("bthc,bsc->bhts", q_lat, keys[..., :R], precision=HIGHEST)
+                  + jnp.einsum("bthr,bsr->bhts", q_rope, keys[..., R:], precision=HIGHEST)).astype(F32) * scale
+        scores = jnp.where(visible[:, None], scores, MASKED)
+        top = jax.lax.pmax(jnp.max(scores, axis=-1), dcp_axes)  # [B, H, T]
+        p = jnp.exp(scores - top[..., None])
+        denom = jax.lax.psum(jnp.sum(p, axis=-1), dcp_axes)
+        num = jax.lax.psum(jnp.einsum("bhts,bsc->bthc", p, keys[..., :R].astype(F32), precision=HIGHEST), dcp_axes)
+        return (num / jnp.moveaxis(denom, 1, 2)[..., None]).astype(q_lat.dtype)
+
+    return shard_map(local, mesh=mesh, in_specs=(P(), P(), P(None, dcp_axes, None), P(), P()), out_specs=P(),
+                     check_vma=False)(q_lat, q_rope, cache, start, n_new)
+
+
 class Weight(nn.Module):
     """A bare [in, out] kernel, for weights used in more than one way (kv_b in both MLA forms)."""
     shape: tuple
@@ -42,10 +78,11 @@ class MLA(nn.Module):
     cfg: object
 
     @nn.compact
-    def __call__(self, x, cache, start, n_new, backend=None, page_table=None):
+    def __call__(self, x, cache, start, n_new, backend=None, page_table=None, dcp_axes=()):
         """x [B, T, D]; cache {"latent": [B, S, C]} (contiguous) or {"latent": [pages, P, C]} with
         page_table [B, pages per row], or None (no cache: causal over x itself); start [B] tokens
-        already cached; n_new [B] valid new tokens."""
+        already cached; n_new [B] valid new tokens. dcp_axes: mesh axes the contiguous cache's
+        positions are split over (decode context parallelism; needs an ambient jax.set_mesh)."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, dn, dr, dv, R = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -87,8 +124,15 @@ class MLA(nn.Module):
             slot = jnp.where(t[None, :] < n_new[:, None], slot, latent.shape[0])  # padding: dropped
             latent = latent.at[slot, pos % P].set(entries, mode="drop")
             new_cache = {"latent": latent}
-            use_kernel = T == 1 and resolve_backend(backend) != "reference" and R + dr == CACHE_DIM
-            if not use_kernel:
+            use_kernel = (T == 1 and resolve_backend(backend) != "reference" and R + dr == CACHE_DIM
+                          and not dcp_axes)
+            if dcp_axes:
+                if page_table is not None:
+                    raise ValueError("decode context parallelism works on the contiguous cache, not pages")
+                q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
+                o_lat = dcp_attention(q_lat.astype(dt), q_rope.astype(dt), latent, start, n_new, scale, dcp_axes)
+                o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
+            elif not use_kernel:
                 keys = latent[table].reshape(B, S, R + dr)
                 s = jnp.arange(S)
                 end = start + n_new
@@ -100,6 +144,8 @@ class MLA(nn.Module):
             o_lat, _ = mla_decode(jnp.concatenate([q_lat, q_rope], -1).astype(dt), latent, table,
                                   (start + n_new).astype(jnp.int32), scale=scale, backend=backend)
             o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
+        elif dcp_axes:
+            pass  # computed above
         elif cache is not None and T <= RECURRENT_MAX_T:  # absorbed form
             lat_k, rot_k = keys[..., :R], keys[..., R:]
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
