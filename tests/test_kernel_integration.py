@@ -57,3 +57,18 @@ def test_moe_layer_on_the_grouped_matmul_kernel():
         ref = layer.apply(params, x, backend="reference")
         out = layer.apply(params, x, backend="interpret")
         assert jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)) < 1e-5, name
+
+
+def test_long_forward_uses_chunked_prefill_attention(monkeypatch):
+    import kimik3.layers.mla as mla_mod
+    from kimik3.layers.mla import MLA
+
+    cfg = kimik3.Config.preset("tiny")
+    layer = MLA(cfg)
+    x = jax.random.normal(jax.random.key(0), (2, 40, cfg.hidden_size))
+    n = jnp.full((2,), 40, jnp.int32)
+    params = layer.init(jax.random.key(1), x, None, n * 0, n)
+    dense = layer.apply(params, x, None, n * 0, n)[0]
+    monkeypatch.setattr(mla_mod, "LONG_PREFILL", 16)  # force the no-T x T path at a small T
+    chunked = layer.apply(params, x, None, n * 0, n)[0]
+    assert jnp.max(jnp.abs(chunked - dense)) / jnp.max(jnp.abs(dense)) < 1e-5

@@ -10,10 +10,12 @@ import flax.linen as nn
 from kernels_pallas import resolve_backend
 from kernels_pallas.mla import mla_decode
 from kernels_pallas.mla.decode import CACHE_DIM
+from kernels_pallas.mla.prefill import QK_DIM, V_DIM, mla_prefill, mla_prefill_chunked
 
 from .common import F32, INIT_STD, RMSNorm, dense
 from .kda import RECURRENT_MAX_T
 
+LONG_PREFILL = 1024  # causal passes longer than this use the chunked / flash prefill attention
 MASKED = -1e30  # finite, so a row with no visible keys stays finite (it is padding anyway)
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -154,6 +156,15 @@ class MLA(nn.Module):
             o_lat = _softmax_attend(scores, visible[:, None], lambda p: jnp.einsum(
                 "bhts,bsc->bthc", p.astype(dt), lat_k, precision=HIGHEST))
             o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
+        elif cache is None and T > LONG_PREFILL:  # long causal prefill: no T x T scores
+            k_nope = jnp.einsum("bsc,chn->bshn", entries[..., :R], w_uk, precision=HIGHEST)
+            v = jnp.einsum("bsc,chv->bshv", entries[..., :R], w_uv, precision=HIGHEST)
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(entries[:, :, None, R:], (B, T, H, dr))], -1)
+            qk = jnp.concatenate([q_nope, q_rope], -1)
+            if (dn + dr, dv) == (QK_DIM, V_DIM):  # the Pallas flash-attention kernel's shapes
+                o = mla_prefill(qk, k, v, n_new, scale=scale, backend=backend)
+            else:
+                o, _ = mla_prefill_chunked(qk, k, v, n_new, scale=scale)
         else:  # expanded form
             lat_k, rot_k = keys[..., :R], keys[..., R:]
             k_nope = jnp.einsum("bsc,chn->bshn", lat_k, w_uk, precision=HIGHEST)
