@@ -29,8 +29,8 @@ def memory_report(cfg, tensor: int = 1, dcp: int = 1, tokens: int = 0, batch: in
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract(cfg))[0]:
         spec = param_spec(path, leaf.shape, mesh)
         names = [str(getattr(k, "key", k)) for k in path]
-        if dedup and "routed_expert_up_proj" in names and leaf.shape[-1] % tensor == 0:
-            spec = P(None, "tensor")
+        if "routed_expert_up_proj" in names:  # owned rows with dedup, else every rank holds it all
+            spec = P(None, "tensor") if dedup and leaf.shape[-1] % tensor == 0 else P()
         split = math.prod(mesh.shape[s] for s in spec if s is not None)
         nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
         params += nbytes // split

@@ -8,7 +8,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 # Projections whose output columns are heads / intermediate units: split the output dim.
 COLUMN = {"q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj", "q_b_proj", "kv_b_proj", "b_proj",
-          "gate_proj", "up_proj", "g_b_proj"}
+          "gate_proj", "up_proj", "g_b_proj",
+          # MoE dedup's owned rows: each rank loads only the up-projection outputs it computes
+          "routed_expert_up_proj"}
 # Projections reading those columns back: split the input dim.
 ROW = {"o_proj", "down_proj"}
 # Per-channel KDA parameters laid out along heads.

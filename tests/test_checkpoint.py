@@ -132,3 +132,14 @@ def test_transformers_spelling_of_dense_layers_loads(tiny_models, exported, tmp_
         f.close()
         write_safetensors(os.path.join(d, shard), tensors)
     assert _equal_trees(kimik3.load(d).params, tiny_models["tiny-linear"].params)
+
+
+def test_hf_load_onto_a_mesh_places_owned_rows(tiny_models, exported):
+    import sharding
+
+    mesh = sharding.make_mesh(tensor=4)
+    model = kimik3.load(exported["tiny"], mesh=mesh)
+    up = model.params["layers_1"]["block_sparse_moe"]["routed_expert_up_proj"]["kernel"]  # [L, D]
+    assert up.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+    assert up.addressable_shards[0].data.shape == (up.shape[0], up.shape[1] // 4)  # only owned rows
+    assert _equal_trees(jax.tree.map(np.asarray, model.params), jax.tree.map(np.asarray, tiny_models["tiny"].params))
