@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .softmax import online_softmax_step
 from .._backend import resolve_backend, triton_params
 from .reference import CACHE_DIM, LATENT, ROPE, merge_stacked, mla_decode_reference
 
@@ -127,11 +128,7 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, qlat_ref, qrope_ref, pt_ref, cac
             s = s * score_mult
         ok = pos[None, :] < lim[:, None]
         s = jnp.where(ok, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
-        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        p, alpha, m_new, l_new = online_softmax_step(s, m_i, l_i)
         if has_token_scale:
             p = p * ts[None, :]
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(compute_dtype), c)

@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .softmax import online_softmax_step
 from .._backend import resolve_backend, triton_params
 
 NOPE = 128
@@ -58,11 +59,7 @@ def _prefill_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_q, bl
         kpos = ks + koffs
         ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < length)
         s = jnp.where(ok, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
-        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        p, alpha, m_new, l_new = online_softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_new, l_new
 
