@@ -4,6 +4,7 @@ directory's tiktoken BPE (`tiktoken.model`) and `tokenizer_config.json` (special
 template)."""
 from __future__ import annotations
 
+import abc
 import json
 import os
 
@@ -21,16 +22,19 @@ KIMI_PAT_STR = "|".join([
 NUM_RESERVED_SPECIAL = 256  # ids after the BPE ranks; unnamed ones are <|reserved_token_i|>
 
 
-class Tokenizer:
+class Tokenizer(abc.ABC):
+    """What generation, the engine and the batch script need from a tokenizer."""
     bos_id: int | None
     eos_id: int | None
     vocab_size: int
 
+    @abc.abstractmethod
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        raise NotImplementedError
+        """Text -> token ids (with the BOS id first when add_bos)."""
 
+    @abc.abstractmethod
     def decode(self, ids) -> str:
-        raise NotImplementedError
+        """Token ids -> text."""
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
         raise ValueError(f"{type(self).__name__} has no chat template; pass token ids or plain text")
