@@ -249,22 +249,20 @@ class Engine:
         if prefilling:
             T = self.prefill_chunk
             tokens = np.zeros((B, T), np.int32)
+            chunks = {}
             for r in list(running):
                 if r.slot is None:  # preempted by an earlier row of this loop
                     continue
-                seq = r.sequence
-                todo = seq[r.fed:] if r in prefilling else [r.output[-1]]
-                todo = todo[:T]
-                if not self._ensure_pages(r, r.fed + len(todo)):
+                todo = (r.sequence[r.fed:] if r in prefilling else [r.output[-1]])[:T]
+                if self._ensure_pages(r, r.fed + len(todo)):
+                    chunks[id(r)] = todo
+                else:
                     self._finish(r, "error: the request does not fit in the cache pages")
-                    continue
             running = self.running  # preemption may have removed rows
             for r in running:
-                seq = r.sequence
-                todo = (seq[r.fed:] if r.fed < len(seq) - (1 if r.output else 0) else [r.output[-1]])[:T]
-                s = r.slot
-                tokens[s, :len(todo)] = todo
-                start[s], n_new[s] = r.fed, len(todo)
+                todo = chunks[id(r)]
+                tokens[r.slot, :len(todo)] = todo
+                start[r.slot], n_new[r.slot] = r.fed, len(todo)
             steps = 1
         else:
             steps = self.decode_steps

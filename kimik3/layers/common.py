@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from kernels_pallas.moe.reference import glu as moe_glu
+
 F32 = jnp.float32
 INIT_STD = 0.02
 
@@ -33,15 +35,11 @@ def rms_normalize(x, eps):
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
-def situ_and_mul(a, b, beta: float = 4.0, linear_beta: float = 25.0):
-    """K3's SiTU-and-mul: (beta tanh(a/beta) sigmoid(a)) * (linear_beta tanh(b/linear_beta))."""
-    return (beta * jnp.tanh(a / beta) * jax.nn.sigmoid(a)) * (linear_beta * jnp.tanh(b / linear_beta))
-
-
 def glu(cfg, a, b):
-    if cfg.hidden_act == "situ":
-        return situ_and_mul(a, b, cfg.situ_beta, cfg.situ_linear_beta)
-    return jax.nn.silu(a) * b
+    """The config's gated activation (SwiGLU, or K3's SiTU-and-mul), the one definition the
+    grouped-matmul kernels also use."""
+    return moe_glu(a, b, "situ" if cfg.hidden_act == "situ" else "swiglu",
+                   situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta)
 
 
 def causal_conv(x, conv_state, weight, n_new):
