@@ -30,8 +30,11 @@ SMOKE = BACKEND == "interpret"
 # BENCH_SECTIONS: comma list of correctness,prefill,decode,verify (default all)
 SECTIONS = os.environ.get("BENCH_SECTIONS", "correctness,prefill,decode,verify").split(",")
 FULL = "correctness" in SECTIONS
+CHECKS = os.environ.get("BENCH_CHECKS", "chunk,decode").split(",")  # correctness: which kernels
 DECODE_SHAPES = [tuple(int(x) for x in s.split("x")) for s in os.environ.get(
     "BENCH_DECODE", "256x96,1x12,64x12,256x12,1x96,64x96").split(",")]
+PREFILL_SHAPES = [tuple(int(x) for x in s.split("x")) for s in os.environ.get(
+    "BENCH_PREFILL", "8x4096x12,1x8192x96,1x32768x16").split(",")]
 VERIFY_CFGS = [tuple(int(x) for x in s.split("x")) for s in os.environ.get(
     "BENCH_VERIFY", "4x1,8x1,8x2,16x2").split(",")]
 RES = {"jax": jax.__version__, "device": str(jax.devices()[0]), "checks": {}, "prefill": {},
@@ -118,6 +121,8 @@ def correctness():
         RES["checks"][key] = {"o_rel": rel(o, ro), "state_rel": rel(s, rs),
                               "finite": bool(jnp.isfinite(o.astype(F32)).all())}
         print(key, RES["checks"][key], flush=True)
+    if "decode" not in CHECKS:
+        return
     # decode
     for (B, H, dt, lb) in [(4, 12, BF16, -5.0), (3, 8, BF16, None), (2, 4, F32, None)][:3 - 2 * SMOKE]:
         a = decode_inputs(B, H, 128, dt)
@@ -183,9 +188,28 @@ def fla():
     return chunk_kda, fused_recurrent_kda, do_bench
 
 
+def chunk_configs():
+    """BENCH_CHUNK_CONFIGS: ';'-separated ChunkConfig overrides, e.g.
+    "block_k_inter=64,num_warps_inter=8;block_v_state=32" (the default config always runs first)."""
+    from kernels_pallas.kda.chunk_pallas import ChunkConfig
+    cfgs = [ChunkConfig()]
+    for item in filter(None, os.environ.get("BENCH_CHUNK_CONFIGS", "").split(";")):
+        cfgs.append(ChunkConfig(**{kv.split("=")[0]: int(kv.split("=")[1]) for kv in item.split(",")}))
+    return cfgs
+
+
+def stage_times(q, k, v, g, beta, s0, safe, cfg):
+    """Each of kda_chunk's launches timed alone on its real inputs (ms)."""
+    from kernels_pallas.kda.chunk_pallas import chunk_stages
+    stages, _ = chunk_stages(q, k, v, g, beta, initial_state=s0, use_qk_l2norm=True,
+                             safe_gate=safe, config=cfg, interpret=SMOKE)
+    return {name: tjax(fn, *args, n=10) for name, fn, args in stages}
+
+
 @section("prefill")
 def prefill(shapes):
     chunk_kda, _, do_bench = fla()
+    cfgs = chunk_configs()
     for (B, T, H) in shapes:
         if left() < 60:
             RES["errors"][f"prefill B{B} T{T} H{H}"] = "skipped: time budget"
@@ -193,14 +217,21 @@ def prefill(shapes):
         K = 128
         q, k, v, g, beta, s0 = make(B * T + H, B, T, H, K, BF16, bounded=True)
         rec = {}
-        for safe in (False, True):
-            f = jax.jit(lambda q, k, v, g, b, s, safe=safe: kda_chunk(
-                q, k, v, g, b, initial_state=s, use_qk_l2norm=True, safe_gate=safe,
-                backend=BACKEND))
-            o, st = f(q, k, v, g, beta, s0)
-            ms = tjax(f, q, k, v, g, beta, s0, n=20)
-            rec[f"ours{'_safe' if safe else ''}_ms"] = ms
-            rec[f"ours{'_safe' if safe else ''}"] = (o, st)
+        outs = {}
+        for ci, cfg in enumerate(cfgs):  # every config: total and per-launch times
+            f = jax.jit(lambda q, k, v, g, b, s, cfg=cfg: kda_chunk(
+                q, k, v, g, b, initial_state=s, use_qk_l2norm=True, backend=BACKEND, config=cfg))
+            outs["ours", ci] = f(q, k, v, g, beta, s0)
+            rec[f"ours_cfg{ci}_ms"] = tjax(f, q, k, v, g, beta, s0, n=20)
+            rec[f"ours_cfg{ci}_stages_ms"] = stage_times(q, k, v, g, beta, s0, False, cfg)
+            print(f"  cfg{ci} {rec[f'ours_cfg{ci}_ms']:.3f} ms", rec[f"ours_cfg{ci}_stages_ms"], flush=True)
+        best = min(range(len(cfgs)), key=lambda ci: rec[f"ours_cfg{ci}_ms"])
+        rec["ours_ms"], rec["ours_best_cfg"] = rec[f"ours_cfg{best}_ms"], str(cfgs[best])
+        f = jax.jit(lambda q, k, v, g, b, s, cfg=cfgs[best]: kda_chunk(
+            q, k, v, g, b, initial_state=s, use_qk_l2norm=True, safe_gate=True, backend=BACKEND,
+            config=cfg))
+        outs["ours_safe", best] = f(q, k, v, g, beta, s0)
+        rec["ours_safe_ms"] = tjax(f, q, k, v, g, beta, s0, n=20)
         tq, tk, tv, tg, tb, ts = map(to_torch, (q, k, v, g, beta, s0))
         ts = ts.clone()
         for safe in (False, True):
@@ -211,14 +242,15 @@ def prefill(shapes):
             fo, fs = fn()
             fo, fs = from_torch(fo), from_torch(fs)
             tag = "fla_safe" if safe else "fla"
-            o, st = rec["ours_safe" if safe else "ours"]
-            rec[f"agree_{tag}"] = {"o_rel": rel(o, fo), "state_rel": rel(st, fs)}
+            for (name, ci), (o, st) in outs.items():
+                if (name == "ours_safe") == safe:
+                    rec[f"agree_{tag}_cfg{ci}"] = {"o_rel": rel(o, fo), "state_rel": rel(st, fs)}
             rec[f"{tag}_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
-        del rec["ours"], rec["ours_safe"]
         RES["prefill"][f"B{B} T{T} H{H}"] = rec
         print(f"prefill B{B} T{T} H{H}", rec, flush=True)
-        ROWS.append((f"prefill B{B} T{T} H{H} (exact diag vs FLA)", rec["ours_ms"], rec["fla_ms"], "ms"))
+        ROWS.append((f"prefill B{B} T{T} H{H} (gate checked per block vs FLA default)", rec["ours_ms"], rec["fla_ms"], "ms"))
         ROWS.append((f"prefill B{B} T{T} H{H} (safe_gate both)", rec["ours_safe_ms"], rec["fla_safe_ms"], "ms"))
+        save()
 
 
 @section("decode")
@@ -358,7 +390,7 @@ if __name__ == "__main__":
         sys.exit(0)
     # sections run in the order BENCH_SECTIONS lists them
     runners = {"correctness": correctness, "verify": verify, "decode": lambda: decode(DECODE_SHAPES),
-               "prefill": lambda: prefill([(8, 4096, 12), (1, 8192, 96), (1, 32768, 16)])}
+               "prefill": lambda: prefill(PREFILL_SHAPES)}
     for name in SECTIONS:
         runners[name]()
         print(f"[{time.time() - T0:.0f}s] {name} done", flush=True)

@@ -12,8 +12,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=None,
     """Chunked KDA prefill: (o [B,T,H,V], final_state [B,H,K,V] fp32). See reference.py.
 
     safe_gate=True: the caller promises g >= -5 per token (K3's bounded gate); the Pallas kernel
-    then forms its diagonal 16x16 blocks with one matmul instead of token-parallel exps.
-    kernel_options (block_v, num_warps_intra, num_warps_scan, num_stages_scan) tune the kernel."""
+    then forms its diagonal 16x16 blocks with one matmul instead of per-element exps.
+    kernel_options: `config=chunk_pallas.ChunkConfig(...)` (block sizes and warps per launch)."""
     backend = resolve_backend(backend)
     if backend == "reference":
         return kda_chunk_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
