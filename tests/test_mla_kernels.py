@@ -67,36 +67,44 @@ def test_decode_long_ragged_fp32_exact():
         _check(o, lse, ro, rlse, atol=2e-5)
 
 
-@pytest.mark.parametrize("per_token", [False, True])
-def test_decode_fp8(per_token):
-    rng = np.random.default_rng(2 + per_token)
-    ps = 16
-    lengths = [0, 1, 17, 100]
-    cache32, pt, ln = _paged_cache(rng, lengths, ps, 8, jnp.float32, fill_unused=0.0)
-    if per_token:
-        # c / scale must stay inside e4m3's range (448), else the cast gives NaN
+def _fp8_cache(rng, lengths, ps, maxp, per_token):
+    """(fp32 cache, its e4m3 copy with NaN in unused slots, scale, page table, lengths)."""
+    cache32, pt, ln = _paged_cache(rng, lengths, ps, maxp, jnp.float32, fill_unused=0.0)
+    if per_token:   # c / scale must stay inside e4m3's range (448), else the cast gives NaN
         cs = jnp.asarray(rng.uniform(0.02, 0.05, cache32.shape[:2]), jnp.float32)
         cache8 = (cache32 / cs[..., None]).astype(jnp.float8_e4m3fn)
     else:
         cs = jnp.float32(0.02)
         cache8 = (cache32 / cs).astype(jnp.float8_e4m3fn)
-    # NaN in unused slots must not leak: fp8 e4m3fn has a NaN encoding.
     used = np.zeros(cache8.shape[:2], bool)
     for b, L in enumerate(lengths):
         for pos in range(L):
             used[int(pt[b, pos // ps]), pos % ps] = True
+    # NaN in unused slots must not leak: fp8 e4m3fn has a NaN encoding.
     cache8 = jnp.where(jnp.asarray(used)[..., None], cache8,
                        jnp.asarray(np.nan, jnp.float8_e4m3fn))
-    q = _q(rng, len(lengths), 4, 12)
+    return cache32, cache8, cs, pt, ln
+
+
+def _check_fp8(rng, lengths, ps, maxp, per_token, Tq, H, **kw):
+    """The fp8 kernel against the reference on the same fp8 cache, and near the fp32 result."""
+    cache32, cache8, cs, pt, ln = _fp8_cache(rng, lengths, ps, maxp, per_token)
+    q = _q(rng, len(lengths), Tq, H)
     ro, rlse = mla_decode_reference(q, cache8, pt, ln, scale=SCALE, cache_scale=cs,
                                     out_dtype=jnp.float32)
     o, lse = mla_decode(q, cache8, pt, ln, scale=SCALE, backend="interpret", cache_scale=cs,
-                        num_splits=2, out_dtype=jnp.float32)
+                        out_dtype=jnp.float32, **kw)
     _check(o, lse, ro, rlse, atol=2e-2)
-    # and the fp8 result is close to the unquantised one
     r32, _ = mla_decode_reference(q, cache32, pt, ln, scale=SCALE, out_dtype=jnp.float32)
     rel = float(jnp.linalg.norm(o - r32) / jnp.linalg.norm(r32))
     assert rel < 0.1, rel
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_decode_fp8(per_token):
+    # 16-token pages, default 64-key blocks: the "token" load
+    _check_fp8(np.random.default_rng(2 + per_token), [0, 1, 17, 100], 16, 8, per_token, 4, 12,
+               num_splits=2)
 
 
 def test_decode_default_config_and_reference_backend():
@@ -108,6 +116,113 @@ def test_decode_default_config_and_reference_backend():
     ro, rlse = mla_decode(q, cache, pt, ln, scale=SCALE, backend="reference")
     assert o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     _check(o, lse, ro, rlse, atol=3e-2)
+
+
+@pytest.mark.parametrize("Tq,H", [(1, 16), (4, 12)])
+def test_decode_page_and_token_loads(Tq, H):
+    """The "page" load (one page id per step, page ids read per chunk of 32 steps) against the
+    reference and the "token" load: lengths 0 / 1 / < Tq, page and block boundaries, and one
+    sequence of 38 blocks, which crosses a chunk when it is not split."""
+    rng = np.random.default_rng(20 + Tq)
+    ps, maxp = 32, 20
+    lengths = [0, 1, max(Tq - 1, 0), 15, 16, 17, 31, 32, 33, 600]
+    cache, pt, ln = _paged_cache(rng, lengths, ps, maxp, jnp.bfloat16)
+    q = _q(rng, len(lengths), Tq, H)
+    ro, rlse = mla_decode_reference(q, cache, pt, ln, scale=SCALE, out_dtype=jnp.float32)
+    outs = {}
+    for load, splits in (("page", 1), ("page", 4), ("token", 4)):
+        o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", load=load,
+                            num_splits=splits, block_k=16, block_h=16, out_dtype=jnp.float32)
+        _check(o, lse, ro, rlse, atol=2e-2)
+        outs[load, splits] = np.asarray(o)
+    np.testing.assert_allclose(outs["page", 4], outs["token", 4], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("upcast,per_token,Tq", [("mixed", True, 4), ("tile", True, 1),
+                                                 ("operand", True, 4), ("mixed", False, 1)])
+def test_decode_fp8_upcasts(upcast, per_token, Tq):
+    """Each fp8 upcast on the "page" load: lengths 0 / 1, page boundaries, ragged, 2 chunks."""
+    _check_fp8(np.random.default_rng(30 + Tq + per_token), [0, 1, 16, 17, 100, 530], 16, 34,
+               per_token, Tq, 16, num_splits=1, block_k=16, fp8_upcast=upcast)
+
+
+def test_split_policy_and_config():
+    from kernels_pallas.mla.decode import (choose_num_splits, default_config, programs_per_sm,
+                                           resolve_config, smem_bytes)
+    # "waves": B x splits programs fill whole waves of 264 slots; "fill" is the old rule, which
+    # gave 17 splits at B16 (272 programs: a second wave of 8).
+    for B, cap in ((16, 32768), (64, 131072), (1, 131072), (16, 131072)):
+        s = choose_num_splits(B, 1, cap, 32, rows_p=16, slots=264)
+        waves = -(-B * s // 264)
+        assert B * s >= 0.9 * 264 * waves, (B, cap, s)
+    assert choose_num_splits(16, 1, 32768, 64, rows_p=16, slots=264, policy="fill",
+                             num_sms=132) == 17
+    assert choose_num_splits(2, 1, 100, 64, rows_p=16, slots=264) == 2       # <= key blocks
+    # every default fits the H200's 227 KiB of shared memory a program
+    for dt in (jnp.bfloat16, jnp.float8_e4m3fn):
+        for rows in (12, 16, 32, 48, 128):
+            c = default_config(8, rows, 65536, dt, 64, num_sms=132)
+            isz = jnp.dtype(dt).itemsize
+            assert smem_bytes(c["block_h"], c["block_k"], c["num_stages"], isz,
+                              c["fp8_upcast"]) <= 227 * 1024
+            assert programs_per_sm(c["block_h"], c["block_k"], c["num_warps"],
+                                   c["num_stages"], isz) >= 1
+    q, cache, pt = (8, 1, 16, 576), (100, 16, 576), (8, 12)
+    c = resolve_config(q, cache, jnp.bfloat16, pt, block_k=32)
+    assert c["load"] == "token"                       # 16-token pages, 32-token steps
+    assert resolve_config(q, cache, jnp.bfloat16, pt, block_k=16)["load"] == "page"
+    assert resolve_config(q, cache, jnp.bfloat16, pt, num_splits=5)["num_splits"] == 5
+    fill = resolve_config(q, cache, jnp.bfloat16, pt, num_splits="fill", num_sms=132)
+    assert fill["num_splits"] == 1                    # the old rule: >= 256 tokens a split
+    for bad in (dict(load="page", block_k=32), dict(load="x"), dict(fp8_upcast="x"),
+                dict(num_splits="x"), dict(block_k=48)):
+        with pytest.raises(ValueError):
+            resolve_config(q, cache, jnp.bfloat16, pt, **bad)
+
+
+def _lower_check():
+    """.tools/lower_check.py (lowers Pallas-Triton for CUDA on CPU with an H200 gpu_info); its
+    import-time patch is undone here and re-applied per test through monkeypatch."""
+    import importlib.util
+    import pathlib
+
+    from jax._src.pallas.triton import pallas_call_registration as pcr
+
+    path = pathlib.Path(__file__).resolve().parents[1] / ".tools" / "lower_check.py"
+    if not path.exists():
+        pytest.skip("no .tools/lower_check.py")
+    orig = pcr.gpu_info_lib.get_gpu_info
+    spec = importlib.util.spec_from_file_location("_mla_lower_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    patched = pcr.gpu_info_lib.get_gpu_info
+    pcr.gpu_info_lib.get_gpu_info = orig
+    return mod, pcr, patched
+
+
+@pytest.mark.parametrize("dtype,kw", [
+    ("bf16", {}), ("bf16", dict(load="token")), ("bf16", dict(Tq=4, H=12)),
+    ("fp8", dict(fp8_upcast="mixed")), ("fp8", dict(fp8_upcast="tile", per_token=False)),
+    ("fp8", dict(fp8_upcast="operand"))])
+def test_decode_lowers_for_h200(monkeypatch, dtype, kw):
+    """Each variant lowers to Triton IR for an H200 (no GPU needed), with a > 4 GiB cache."""
+    lc, pcr, patched = _lower_check()
+    monkeypatch.setattr(pcr.gpu_info_lib, "get_gpu_info", patched)
+    kw = dict(kw)
+    Tq, H, per_token = kw.pop("Tq", 1), kw.pop("H", 16), kw.pop("per_token", True)
+    B, ctx, pages = 16, 32768, 64 * 2048
+    sd = jax.ShapeDtypeStruct
+    q = sd((B, Tq, H, 576), jnp.bfloat16)
+    cache = sd((pages, 64, 576), jnp.bfloat16 if dtype == "bf16" else jnp.float8_e4m3fn)
+    pt, ln = sd((B, ctx // 64), jnp.int32), sd((B,), jnp.int32)
+    if dtype == "bf16":
+        lc.lower_cuda(lambda q, c, p, l: mla_decode(q, c, p, l, scale=SCALE, backend="pallas",
+                                                    **kw), q, cache, pt, ln)
+    else:
+        cs = sd((pages, 64) if per_token else (), jnp.float32)
+        lc.lower_cuda(lambda q, c, p, l, s: mla_decode(q, c, p, l, scale=SCALE, cache_scale=s,
+                                                       backend="pallas", **kw),
+                      q, cache, pt, ln, cs)
 
 
 def test_merge_partials_over_random_shards():

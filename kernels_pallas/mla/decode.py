@@ -12,23 +12,51 @@ Math and shapes: see reference.py. Kernel layout:
   sequence b: the history [0, length) is cut into num_splits equal spans (rounded up to block_k),
   computed from the runtime length, so a short sequence in a large page table does not leave
   most programs idle and a long one is spread over all of them.
-* Each step gathers block_k tokens through the page table (any page_size), loads the latent part
-  [block_k, 512] and the rope part [block_k, 64] as two power-of-two operands (576 is not one),
-  runs s = q_lat c^T + q_rope k_rot^T and o += p c, with an fp32 online softmax in base 2.
-  Masked loads (other = 0) keep garbage in unused pages out of the result.
-* fp8 cache (float8_e4m3fn): tiles are upcast to bf16 before the dots; a per-tensor scale is
-  folded into the score multiplier and the output, a per-token scale multiplies the score columns
-  and the probabilities (p * s_t) before the PV dot.
+* Each step reads block_k tokens, the latent part [block_k, 512] and the rope part [block_k, 64]
+  as two power-of-two operands of one load each (576 is not a power of two), and runs
+  s = q_lat c^T + q_rope k_rot^T and o += p c with the same latent tile (it is read from memory
+  once; V is not re-loaded), with an fp32 online softmax in base 2. Two ways to find the tokens
+  (`load`):
+  - "page" (default where page_size % block_k == 0): a step never crosses a page, so it needs
+    one page id and reads block_k consecutive rows of that page. The page ids of a chunk of
+    steps are read into a vector before the inner loop, so no tile address inside that loop
+    depends on a load of the same loop and Triton pipelines num_stages - 1 tiles ahead.
+  - "token": a page-table lookup per token inside the loop (any page_size, block_k > page_size
+    too). Triton treats the tile load as indirect: one tile in flight, issued after the step's
+    compute, whatever num_stages says (the layout of the 2026-11-29 measurement).
+  Masked loads (other = 0) keep garbage in unused slots out of the result.
+* fp8 cache (float8_e4m3fn). A per-tensor scale is folded into the score multiplier and the
+  output; a per-token scale multiplies the score columns and the probabilities (p * s_t) before
+  the PV dot, never the [block_k, 576] tile. The tile's e4m3 -> bf16 conversion (`fp8_upcast`)
+  decides whether the tile load is pipelined at all:
+  - "operand" (the 2026-11-29 kernel): `astype(bf16)` right before the dots. Triton moves the
+    conversion into each dot's operand layout, and an 8-bit transposed operand (the QK^T side)
+    has no shared-memory path, so the fp8 tile is loaded synchronously into registers (not
+    pipelined), staged twice and converted twice (255 registers, ~600 B spilled): 2x slower
+    than bf16 while reading half the bytes.
+  - "tile": convert once through fp32 and an opaque 1.0 factor (a runtime scalar), which Triton
+    leaves in place: the fp8 tile is pipelined with cp.async and both dots read bf16 copies
+    (Triton makes two, one per operand layout: more shared memory).
+  - "mixed" (default): QK^T reads the "tile" bf16 copy, PV converts the fp8 operand in
+    registers; one fp8 buffer per stage plus one bf16 copy, the load pipelined.
 * Each program writes its normalised partial o (fp32) and lse (-inf when it saw no key); the
-  splits are merged exactly with `merge_stacked` (plain JAX, one fused XLA reduction).
+  splits are merged exactly with `merge_stacked` (plain JAX, one fused XLA reduction; its
+  traffic, 2 x 4 B x 513 per row and split, is counted by the split policy).
 
-Shared memory: per pipeline stage block_k * (512 + 64) * 2 B (bf16 tiles; fp8 tiles are half),
-e.g. block_k 64 -> 72 KiB, x num_stages. For ROCm MI300X (64 KiB LDS) use block_k 32, num_stages 1
-(36 KiB); the H200 default (block_k 64, 2 stages) needs about 144 KiB.
+Splits (`num_splits`, an int or a policy): the grid has B * head_blocks * num_splits programs;
+with equal lengths each takes the same time, so a program count just above a multiple of the
+resident programs (SMs x programs per SM) costs a whole extra wave. "waves" (default) picks the
+split count from a small cost model (see `choose_num_splits`); "fill" is the earlier rule
+(about 2 x SMs programs, >= 256 tokens each), which gave 272 programs for 264 slots at B16.
 
-Measured on an H200 (benchmarks/results_mla.md, 2026-11-29): 56-63% of copy bandwidth at 32K-128K
-with 16 heads and B >= 16 (target 80%), about 120-160 TFLOP/s with 128 heads, and an fp8 path
-that is slower than bf16. The default configuration has not been tuned yet.
+Shared memory (`smem_bytes`): per buffered stage block_k * 576 * itemsize, x max(1,
+num_stages - 1), + the fp8 bf16 copies + q. For ROCm MI300X (64 KiB LDS) use block_k 32,
+num_stages 1-2, load "token" or "page".
+
+Measured on an H200 (benchmarks/results_mla.md, 2026-11-29, the "token" load, "fill" splits,
+"operand" upcast, 64-key blocks, 4 warps, 2 stages): 56-63% of copy bandwidth at 32K-128K with
+16 heads and B >= 16, 37% at B1 128K, fp8 slower than bf16. The current defaults were chosen
+from sm_90 compiles (see default_config), not yet from timings.
 """
 from __future__ import annotations
 
@@ -48,6 +76,16 @@ from .reference import CACHE_DIM, LATENT, ROPE, merge_stacked, mla_decode_refere
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
+SPLIT_POLICIES = ("waves", "fill")
+LOADS = ("page", "token")
+FP8_UPCASTS = ("mixed", "tile", "operand")
+
+# H200 (sm_90) per-SM limits used by the occupancy estimate.
+_SMEM_PER_SM = 228 * 1024
+_SMEM_RESERVED_PER_CTA = 1024
+_REGS_PER_SM = 65536
+_MAX_WARPS_PER_SM = 64
+
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
@@ -61,25 +99,102 @@ def _num_sms() -> int:
         return 132
 
 
-def default_config(batch: int, rows: int, capacity: int, dtype) -> dict:
-    """Block configuration: row block, key block, warps, stages, number of splits."""
+def smem_bytes(block_h: int, block_k: int, num_stages: int, itemsize: int = 2,
+               fp8_upcast: str = "mixed") -> int:
+    """Estimated shared memory of one program (within ~4% of what Triton 3.9 allocates for
+    sm_90): the pipelined cache tiles (num_stages - 1 buffers, at least one), for fp8 the bf16
+    copies the dots read ("tile": two, "mixed": one), q staged for the dots, p, scratch."""
+    tile = block_k * CACHE_DIM
+    total = max(1, num_stages - 1) * tile * itemsize
+    if itemsize == 1:
+        total += {"tile": 2, "mixed": 1}.get(fp8_upcast, 0) * tile * 2
+    return total + block_h * CACHE_DIM * 2 + block_h * block_k * 2 + 2048
+
+
+def programs_per_sm(block_h: int, block_k: int, num_warps: int, num_stages: int,
+                    itemsize: int = 2, fp8_upcast: str = "mixed") -> int:
+    """Estimated resident programs per SM (shared memory, registers, warps). Registers: the fp32
+    accumulator [block_h, 512] and scores per thread plus 64 (bf16; what ptxas reports for these
+    kernels, within ~10%), or the 255 maximum for fp8 (ptxas uses all of them there)."""
+    smem = smem_bytes(block_h, block_k, num_stages, itemsize, fp8_upcast) + _SMEM_RESERVED_PER_CTA
+    by_smem = _SMEM_PER_SM // smem
+    threads = 32 * num_warps
+    regs = block_h * (LATENT + block_k) // threads + 64
+    regs = 255 if itemsize == 1 else min(255, regs)
+    regs = -(-regs // 8) * 8
+    by_regs = _REGS_PER_SM // (regs * threads)
+    return max(1, min(by_smem, by_regs, _MAX_WARPS_PER_SM // num_warps))
+
+
+def choose_num_splits(batch: int, n_hblk: int, capacity: int, block_k: int, *, rows_p: int,
+                      slots: int, itemsize: int = 2, policy: str = "waves",
+                      num_sms: int | None = None) -> int:
+    """Number of history splits per sequence, for B sequences of up to `capacity` tokens.
+
+    "waves": minimise  waves * (steps per program + C0)  +  partials' traffic,  with
+    waves = ceil(B * n_hblk * splits / slots) (slots = SMs x resident programs per SM),
+    steps = ceil(key blocks / splits), C0 = 2 steps (launch, q load, pipeline fill, the
+    partial's store), and the partials (fp32 o, written by the kernel and read by the merge)
+    counted in steps of all slots. Ties go to fewer splits. A program count just past a
+    multiple of the slots costs a whole extra wave: the rule before (below) gave 272 programs
+    for 264 slots at B16 and 320 at B64.
+    "fill": about 2 x SMs programs, each with >= 256 tokens (the rule before the sweep).
+    """
+    nblk = max(1, -(-capacity // block_k))
+    base = max(1, batch * n_hblk)
+    if policy == "fill":
+        target = 2 * (num_sms or _num_sms())
+        splits = max(1, -(-target // base))
+        return max(1, min(splits, max(1, capacity // 256), nblk))
+    if policy != "waves":
+        raise ValueError(f"split policy {policy!r} is not one of {SPLIT_POLICIES}")
+    c0 = 2.0
+    step_bytes = slots * block_k * CACHE_DIM * itemsize
+    best, best_t = 1, None
+    for s in range(1, min(nblk, 4 * slots) + 1):
+        waves = -(-base * s // slots)
+        steps = -(-nblk // s)
+        partials = batch * s * rows_p * (LATENT + 1) * 4 * 2 / step_bytes
+        t = waves * (steps + c0) + partials
+        if best_t is None or t < best_t - 1e-9:
+            best, best_t = s, t
+    return best
+
+
+def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int | None = None,
+                   *, num_sms: int | None = None) -> dict:
+    """Block configuration for B sequences of `rows` = Tq * Hq query rows and a page table of
+    `capacity` tokens: row block, key block, warps, stages, load mode, fp8 upcast, splits.
+
+    Chosen from compiling each candidate for sm_90 (Triton 3.9 on CPU: shared memory,
+    registers, which loads are pipelined), not yet from H200 timings: bf16 rows <= 32: 32-key
+    blocks, 8 warps, 3 stages (two tiles in flight, ~93 KiB, ~100 registers: two programs per
+    SM); fp8: 64-key blocks, 8 warps, 3 stages, "mixed" upcast (~166 KiB, one program per SM,
+    two fp8 tiles in flight); 64-row blocks (many heads): 32-key blocks, 8 warps, 2 stages
+    (wgmma; unchanged). benchmarks/bench_mla_decode.py sweeps these against alternatives.
+    """
+    itemsize = jnp.dtype(dtype).itemsize if dtype is not None else 2
     block_h = min(max(16, _next_pow2(rows)), 64)
     n_hblk = -(-rows // block_h)
-    block_k = 64 if block_h <= 32 else 32
-    num_warps = 4 if block_h <= 16 else 8
-    num_stages = 2
-    cap_blocks = max(1, -(-capacity // block_k))
-    target = 2 * _num_sms()
-    # Enough programs to fill the chip, but each split should keep >= ~256 tokens of work.
-    splits = max(1, -(-target // (batch * n_hblk)))
-    splits = min(splits, max(1, capacity // 256), cap_blocks)
+    fp8_upcast = "mixed"
+    if block_h == 64:
+        block_k, num_warps, num_stages = 32, 8, 2
+    elif itemsize == 1:
+        block_k, num_warps, num_stages = (64 if block_h == 16 else 32), 8, 3
+    else:
+        block_k, num_warps, num_stages = 32, 8, 3
+    sms = num_sms or _num_sms()
+    slots = sms * programs_per_sm(block_h, block_k, num_warps, num_stages, itemsize, fp8_upcast)
+    splits = choose_num_splits(batch, n_hblk, capacity, block_k, rows_p=n_hblk * block_h,
+                               slots=slots, itemsize=itemsize, num_sms=sms)
+    load = "page" if page_size is None or page_size % block_k == 0 else "token"
     return dict(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                num_splits=splits)
+                num_splits=splits, load=load, fp8_upcast=fp8_upcast)
 
 
-def _decode_kernel(len_ref, scal_ref, roff_ref, qlat_ref, qrope_ref, pt_ref, cache_ref, *rest,
+def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
                    block_k: int, page_size: int, max_pages: int, num_splits: int,
-                   has_token_scale: bool, compute_dtype):
+                   has_token_scale: bool, compute_dtype, load: str, fp8_upcast: str | None):
     if has_token_scale:
         tscale_ref, o_ref, lse_ref = rest
     else:
@@ -90,6 +205,7 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, qlat_ref, qrope_ref, pt_ref, cac
     length = len_ref[b]
     score_mult = scal_ref[0]        # softmax scale * log2(e) (* per-tensor cache scale)
     out_mult = scal_ref[1]          # per-tensor cache scale (1 otherwise)
+    one = scal_ref[2]               # 1.0 that the compiler cannot see through (fp8 upcast)
 
     # This split's span of the history, from the runtime length.
     nblk_total = lax.div(length + (block_k - 1), block_k)
@@ -98,32 +214,56 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, qlat_ref, qrope_ref, pt_ref, cac
     end = jnp.minimum(start + blk_per_split * block_k, length)
     n_iter = jnp.maximum(lax.div(end - start + (block_k - 1), block_k), 0)
 
-    block_h = qlat_ref.shape[0]
-    q_lat = qlat_ref[...]
-    q_rope = qrope_ref[...]
+    block_h = q_ref.shape[0]
+    q_lat = q_ref[:, pl.ds(0, LATENT)]
+    q_rope = q_ref[:, pl.ds(LATENT, ROPE)]
     lim = length + roff_ref[...]                       # [block_h]: row r sees pos < lim[r]
     offs = jnp.arange(block_k, dtype=jnp.int32)
-    cols_lat = jnp.arange(LATENT, dtype=jnp.int32)
-    cols_rope = LATENT + jnp.arange(ROPE, dtype=jnp.int32)
     zero = jnp.zeros((), cache_ref.dtype)     # typed, so an fp8 cache gets an fp8 fill value
 
-    def body(i, carry):
+    def tile_upcast(x):
+        # Through fp32 and an opaque 1.0: Triton keeps this conversion where it is (one bf16
+        # copy of the tile in shared memory) instead of moving it into the dot operands.
+        return (x.astype(jnp.float32) * one).astype(compute_dtype)
+
+    def step(carry, base, page):
+        """One key block at positions base + [0, block_k); page = its page id ("page" loads)."""
         acc, m_i, l_i = carry
-        pos = start + i * block_k + offs                # [block_k]
+        pos = base + offs                               # [block_k]
         valid = pos < end
-        slot = jnp.minimum(lax.div(pos, page_size), max_pages - 1)
-        page = pt_ref[slot]
-        tok = page * page_size + lax.rem(pos, page_size)
         vmask = valid[:, None]
-        # Gathers with two integer indexers (the interpreter has no int-array + slice mix).
-        c = plgpu.load(cache_ref.at[tok[:, None], cols_lat[None, :]], mask=vmask, other=zero)
-        kr = plgpu.load(cache_ref.at[tok[:, None], cols_rope[None, :]], mask=vmask, other=zero)
-        c = c.astype(compute_dtype)
-        kr = kr.astype(compute_dtype)
-        s = plgpu.dot(q_lat, c, trans_b=True) + plgpu.dot(q_rope, kr, trans_b=True)  # [bh, bk] f32
+        if load == "page":
+            rows = pl.ds(lax.rem(base, page_size), block_k)
+            c = plgpu.load(cache_ref.at[page, rows, pl.ds(0, LATENT)], mask=vmask, other=zero)
+            kr = plgpu.load(cache_ref.at[page, rows, pl.ds(LATENT, ROPE)], mask=vmask,
+                            other=zero)
+            ts = (plgpu.load(tscale_ref.at[page, rows], mask=valid, other=0.0)
+                  if has_token_scale else None)
+        else:
+            slot = jnp.minimum(lax.div(pos, page_size), max_pages - 1)
+            tok = pt_ref[slot] * page_size + lax.rem(pos, page_size)
+            cols_lat = jnp.arange(LATENT, dtype=jnp.int32)
+            cols_rope = LATENT + jnp.arange(ROPE, dtype=jnp.int32)
+            # Gathers with two integer indexers (the interpreter has no int-array + slice mix).
+            c = plgpu.load(cache_ref.at[tok[:, None], cols_lat[None, :]], mask=vmask,
+                           other=zero)
+            kr = plgpu.load(cache_ref.at[tok[:, None], cols_rope[None, :]], mask=vmask,
+                            other=zero)
+            ts = (plgpu.load(tscale_ref.at[tok], mask=valid, other=0.0)
+                  if has_token_scale else None)
+        if fp8_upcast is None or fp8_upcast == "operand":
+            c_qk = c_pv = c.astype(compute_dtype)
+            kr = kr.astype(compute_dtype)
+        elif fp8_upcast == "tile":
+            c_qk = c_pv = tile_upcast(c)
+            kr = tile_upcast(kr)
+        else:   # "mixed": QK^T reads a bf16 copy, PV converts the fp8 operand in registers
+            c_qk = tile_upcast(c)
+            c_pv = c.astype(compute_dtype)
+            kr = tile_upcast(kr)
+        s = plgpu.dot(q_lat, c_qk, trans_b=True) + plgpu.dot(q_rope, kr, trans_b=True)
         if has_token_scale:
-            ts = plgpu.load(tscale_ref.at[tok], mask=valid, other=0.0)
-            s = s * (ts * score_mult)[None, :]
+            s = s * (ts * score_mult)[None, :]          # [bh, bk] f32
         else:
             s = s * score_mult
         ok = pos[None, :] < lim[:, None]
@@ -131,13 +271,39 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, qlat_ref, qrope_ref, pt_ref, cac
         p, alpha, m_new, l_new = online_softmax_step(s, m_i, l_i)
         if has_token_scale:
             p = p * ts[None, :]
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(compute_dtype), c)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(compute_dtype), c_pv)
         return acc, m_new, l_new
 
     acc0 = jnp.zeros((block_h, LATENT), jnp.float32)
     m0 = jnp.full((block_h,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((block_h,), jnp.float32)
-    acc, m_i, l_i = lax.fori_loop(0, n_iter, body, (acc0, m0, l0))
+    carry = (acc0, m0, l0)
+    if load == "page":
+        # The page ids of `chunk` steps are read up front into a vector and each step takes its
+        # own from it (a masked sum), so inside the inner loop no tile address depends on a load
+        # of that loop: Triton's pipeliner then keeps num_stages - 1 tiles in flight. (With the
+        # page-table load in the loop it kept one tile, issued only after the step's compute,
+        # whatever num_stages was.) The pipeline refills once per chunk of 32 steps (a 64-step
+        # chunk cost ~30 more registers at block_k 32).
+        chunk = 32
+        steps = jnp.arange(chunk, dtype=jnp.int32)
+
+        def outer(ci, carry):
+            t0 = ci * chunk
+            slots = lax.div(start + (t0 + steps) * block_k, page_size)
+            pages = pt_ref[jnp.minimum(slots, max_pages - 1)]            # [chunk]
+
+            def inner(j, carry):
+                page = jnp.sum(jnp.where(steps == j, pages, 0))
+                return step(carry, start + (t0 + j) * block_k, page)
+
+            return lax.fori_loop(0, jnp.minimum(chunk, n_iter - t0), inner, carry)
+
+        carry = lax.fori_loop(0, lax.div(n_iter + (chunk - 1), chunk), outer, carry)
+    else:
+        carry = lax.fori_loop(0, n_iter, lambda i, cr: step(cr, start + i * block_k, None),
+                              carry)
+    acc, m_i, l_i = carry
     has = l_i > 0
     l_safe = jnp.where(has, l_i, 1.0)
     o_ref[...] = acc * (out_mult / l_safe)[:, None]
@@ -145,10 +311,10 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, qlat_ref, qrope_ref, pt_ref, cac
 
 
 @functools.partial(jax.jit, static_argnames=("num_splits", "block_h", "block_k", "num_warps",
-                                             "num_stages", "interpret", "out_dtype",
-                                             "return_partials"))
+                                             "num_stages", "load", "fp8_upcast", "interpret",
+                                             "out_dtype", "return_partials"))
 def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num_splits, block_h,
-                       block_k, num_warps, num_stages, interpret, out_dtype,
+                       block_k, num_warps, num_stages, load, fp8_upcast, interpret, out_dtype,
                        return_partials=False):
     B, Tq, Hq, _ = q.shape
     num_pages, page_size, _ = cache.shape
@@ -156,12 +322,12 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
     rows = Tq * Hq
     n_hblk = -(-rows // block_h)
     rows_p = n_hblk * block_h
-    compute_dtype = jnp.bfloat16 if jnp.dtype(cache.dtype).itemsize == 1 else cache.dtype
+    is_fp8 = jnp.dtype(cache.dtype).itemsize == 1
+    compute_dtype = jnp.bfloat16 if is_fp8 else cache.dtype
 
     qf = q.reshape(B, rows, CACHE_DIM).astype(compute_dtype)
-    qf = jnp.pad(qf, ((0, 0), (0, rows_p - rows), (0, 0)))
-    q_lat = qf[..., :LATENT]
-    q_rope = qf[..., LATENT:]
+    if rows_p != rows:
+        qf = jnp.pad(qf, ((0, 0), (0, rows_p - rows), (0, 0)))
     t_of_row = jnp.arange(rows_p, dtype=jnp.int32) // Hq
     row_off = jnp.where(t_of_row < Tq, t_of_row - Tq + 1, -Tq).astype(jnp.int32)
 
@@ -177,26 +343,34 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
             if cs.shape != (num_pages, page_size):
                 raise ValueError(f"cache_scale shape {cs.shape}: expected () / (1,) or "
                                  f"{(num_pages, page_size)}")
-            token_scale = cs.reshape(num_pages * page_size)
-    scal = jnp.stack([score_mult, out_mult]).astype(jnp.float32)
-    cache_flat = cache.reshape(num_pages * page_size, CACHE_DIM)
+            token_scale = cs
+    scal = jnp.stack([score_mult, out_mult, jnp.float32(1.0)]).astype(jnp.float32)
     ntok = num_pages * page_size
 
     grid = (n_hblk, num_splits, B)
+    if load == "page":
+        cache_arg = cache
+        cache_spec = pl.BlockSpec((num_pages, page_size, CACHE_DIM), lambda h, s, b: (0, 0, 0))
+        ts_arg = token_scale
+        ts_spec = pl.BlockSpec((num_pages, page_size), lambda h, s, b: (0, 0))
+    else:
+        cache_arg = cache.reshape(ntok, CACHE_DIM)
+        cache_spec = pl.BlockSpec((ntok, CACHE_DIM), lambda h, s, b: (0, 0))
+        ts_arg = None if token_scale is None else token_scale.reshape(ntok)
+        ts_spec = pl.BlockSpec((ntok,), lambda h, s, b: (0,))
     in_specs = [
         pl.BlockSpec((B,), lambda h, s, b: (0,)),                                 # lengths
-        pl.BlockSpec((2,), lambda h, s, b: (0,)),                                 # scalars
+        pl.BlockSpec((3,), lambda h, s, b: (0,)),                                 # scalars
         pl.BlockSpec((block_h,), lambda h, s, b: (h,)),                           # row offsets
-        pl.BlockSpec((None, block_h, LATENT), lambda h, s, b: (b, h, 0)),         # q_lat
-        pl.BlockSpec((None, block_h, ROPE), lambda h, s, b: (b, h, 0)),           # q_rope
+        pl.BlockSpec((None, block_h, CACHE_DIM), lambda h, s, b: (b, h, 0)),      # q
         pl.BlockSpec((None, max_pages), lambda h, s, b: (b, 0)),                  # page table
-        pl.BlockSpec((ntok, CACHE_DIM), lambda h, s, b: (0, 0)),                  # cache
+        cache_spec,
     ]
-    args = [lengths.astype(jnp.int32), scal, row_off, q_lat, q_rope,
-            page_table.astype(jnp.int32), cache_flat]
+    args = [lengths.astype(jnp.int32), scal, row_off, qf, page_table.astype(jnp.int32),
+            cache_arg]
     if token_scale is not None:
-        in_specs.append(pl.BlockSpec((ntok,), lambda h, s, b: (0,)))
-        args.append(token_scale)
+        in_specs.append(ts_spec)
+        args.append(ts_arg)
     out_specs = [
         pl.BlockSpec((None, None, block_h, LATENT), lambda h, s, b: (b, s, h, 0)),
         pl.BlockSpec((None, None, block_h), lambda h, s, b: (b, s, h)),
@@ -206,11 +380,11 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
     kernel = functools.partial(
         _decode_kernel, block_k=block_k, page_size=page_size, max_pages=max_pages,
         num_splits=num_splits, has_token_scale=token_scale is not None,
-        compute_dtype=compute_dtype)
+        compute_dtype=compute_dtype, load=load, fp8_upcast=fp8_upcast if is_fp8 else None)
     o_part, lse_part = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name=f"mla_decode_bh{block_h}_bk{block_k}",
+        interpret=interpret, name=f"mla_decode_bh{block_h}_bk{block_k}_{load}",
     )(*args)
     o_part = o_part[:, :, :rows]
     lse_part = lse_part[:, :, :rows]
@@ -220,10 +394,58 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
     return o.reshape(B, Tq, Hq, LATENT), lse.reshape(B, Tq, Hq)
 
 
+def resolve_config(q_shape, cache_shape, cache_dtype, page_table_shape, *, num_splits=None,
+                   block_h=None, block_k=None, num_warps=None, num_stages=None, load=None,
+                   fp8_upcast=None, num_sms=None) -> dict:
+    """The full static configuration mla_decode runs with: `default_config` for the shapes,
+    overridden by the given values. num_splits: an int, or a policy in SPLIT_POLICIES applied
+    to the (possibly overridden) block config."""
+    B, Tq, Hq, _ = q_shape
+    page_size = cache_shape[1]
+    capacity = page_table_shape[1] * page_size
+    itemsize = jnp.dtype(cache_dtype).itemsize
+    cfg = default_config(B, Tq * Hq, capacity, cache_dtype, page_size, num_sms=num_sms)
+    for k, v in dict(block_h=block_h, block_k=block_k, num_warps=num_warps,
+                     num_stages=num_stages).items():
+        if v is not None:
+            cfg[k] = int(v)
+    for name in ("block_h", "block_k"):
+        if cfg[name] < 16 or cfg[name] & (cfg[name] - 1):
+            raise ValueError(f"{name}={cfg[name]} must be a power of two >= 16")
+    if load is None:
+        load = "page" if page_size % cfg["block_k"] == 0 else "token"
+    if load not in LOADS:
+        raise ValueError(f"load={load!r} is not one of {LOADS}")
+    if load == "page" and page_size % cfg["block_k"]:
+        raise ValueError(f"load='page' needs page_size ({page_size}) to be a multiple of "
+                         f"block_k ({cfg['block_k']})")
+    cfg["load"] = load
+    fp8_upcast = fp8_upcast or cfg["fp8_upcast"]
+    if fp8_upcast not in FP8_UPCASTS:
+        raise ValueError(f"fp8_upcast={fp8_upcast!r} is not one of {FP8_UPCASTS}")
+    cfg["fp8_upcast"] = fp8_upcast
+    if num_splits is None or isinstance(num_splits, str):
+        policy = num_splits or "waves"
+        if policy not in SPLIT_POLICIES:
+            raise ValueError(f"num_splits={policy!r}: an int or one of {SPLIT_POLICIES}")
+        rows = Tq * Hq
+        n_hblk = -(-rows // cfg["block_h"])
+        sms = num_sms or _num_sms()
+        slots = sms * programs_per_sm(cfg["block_h"], cfg["block_k"], cfg["num_warps"],
+                                      cfg["num_stages"], itemsize, fp8_upcast)
+        cfg["num_splits"] = choose_num_splits(
+            B, n_hblk, capacity, cfg["block_k"], rows_p=n_hblk * cfg["block_h"], slots=slots,
+            itemsize=itemsize, policy=policy, num_sms=sms)
+    else:
+        cfg["num_splits"] = max(1, int(num_splits))
+    return cfg
+
+
 def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = None,
-               num_splits: int | None = None, cache_scale=None, out_dtype=None,
+               num_splits: int | str | None = None, cache_scale=None, out_dtype=None,
                block_h: int | None = None, block_k: int | None = None,
-               num_warps: int | None = None, num_stages: int | None = None):
+               num_warps: int | None = None, num_stages: int | None = None,
+               load: str | None = None, fp8_upcast: str | None = None):
     """Absorbed MLA decode / multi-token verify over a paged latent cache.
 
     q [B, Tq, Hq, 576] (q_lat 512 | q_rope 64), cache [num_pages, page_size, 576] (bf16, fp32, or
@@ -232,7 +454,10 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
     scale. Returns (o [B, Tq, Hq, 512] in out_dtype (default q.dtype), lse [B, Tq, Hq] fp32,
     -inf where a query sees no key; o is 0 there).
 
-    num_splits / block_h / block_k / num_warps / num_stages override `default_config`.
+    Variants (None = `default_config` for the shapes): num_splits (an int, or the policy
+    "waves" / "fill"), block_h, block_k, num_warps, num_stages, load ("page" / "token") and,
+    for an fp8 cache, fp8_upcast ("mixed" / "tile" / "operand"). `resolve_config` gives the
+    configuration a call runs with. See the module docstring.
     """
     backend = resolve_backend(backend)
     if q.ndim != 4 or q.shape[-1] != CACHE_DIM:
@@ -245,16 +470,9 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
     if backend == "reference":
         return mla_decode_reference(q, cache, page_table, lengths, scale=scale,
                                     cache_scale=cache_scale, out_dtype=out_dtype)
-    B, Tq, Hq, _ = q.shape
-    capacity = page_table.shape[1] * cache.shape[1]
-    cfg = default_config(B, Tq * Hq, capacity, cache.dtype)
-    for k, v in dict(block_h=block_h, block_k=block_k, num_warps=num_warps,
-                     num_stages=num_stages, num_splits=num_splits).items():
-        if v is not None:
-            cfg[k] = int(v)
-    if cfg["block_h"] < 16 or cfg["block_h"] & (cfg["block_h"] - 1):
-        raise ValueError(f"block_h={cfg['block_h']} must be a power of two >= 16")
-    if cfg["block_k"] < 16 or cfg["block_k"] & (cfg["block_k"] - 1):
-        raise ValueError(f"block_k={cfg['block_k']} must be a power of two >= 16")
+    cfg = resolve_config(q.shape, cache.shape, cache.dtype, page_table.shape,
+                         num_splits=num_splits, block_h=block_h, block_k=block_k,
+                         num_warps=num_warps, num_stages=num_stages, load=load,
+                         fp8_upcast=fp8_upcast)
     return _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale,
                               interpret=backend == "interpret", out_dtype=out_dtype, **cfg)
