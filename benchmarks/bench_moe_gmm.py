@@ -1,16 +1,37 @@
-"""MoE grouped matmul benchmark: ours (Pallas-Triton moe_gmm, bf16 and MXFP4) vs jax.lax.ragged_dot vs
-torch._grouped_mm, at K3 shapes, with the copy-bandwidth and dense-matmul ceilings measured in the
-same process. One device call does everything:
+"""MoE grouped matmul benchmark: ours (Pallas-Triton moe_gmm, bf16 and MXFP4 with each
+dequantisation variant) vs torch._grouped_mm (and optionally jax.lax.ragged_dot), at K3 shapes, with
+the copy-bandwidth and dense-matmul ceilings measured in the same process. One device call:
 
-  PYTHONUNBUFFERED=1 python3 benchmarks/bench_moe_gmm.py        # on the H200; writes $OUT/moe_gmm.json
-  PYTHONPATH=. python benchmarks/bench_moe_gmm.py --cpu-smoke   # here: tiny shapes, interpret mode
+  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_moe_gmm.py  # H200: $OUT/moe_gmm.json
+  PYTHONPATH=. python benchmarks/bench_moe_gmm.py --cpu-smoke    # here: tiny shapes, interpret
+  PYTHONPATH=. python benchmarks/bench_moe_gmm.py --lower-check  # here: lower every swept kernel
+                          # for CUDA (H200 gpu_info, .tools/lower_check.py) to Triton IR
+
+Sections (env BENCH_SECTIONS, comma separated; default "ceil,decode,prefill"):
+  ceil     torch copy bandwidth (read + write) and bf16 8192^3 matmul; JAX x*2 and matmul.
+  decode   MXFP4 at BENCH_DECODE_TOKENS (default 64,512): the dequant-variant x block-config sweep,
+           bf16 at its best known config, torch._grouped_mm on the dequantised bf16 weights. Every
+           MXFP4 case is also checked bit-exact on the device with the same compiled kernel: expert 0
+           of a second weight set holds every byte value, scale bytes 16..142 and an all-zero group
+           with scale byte 0; x rows are one-hot, so out[i, n] must equal w0[n, c_i] exactly.
+  prefill  bf16 at BENCH_PREFILL_TOKENS (default 8192): block-config sweep vs torch._grouped_mm.
+  check    (opt-in) the exactness check per variant at small shapes, plus a grouping with empty
+           experts and sum < M against the reference.
+  dense    (opt-in) the older correctness grid: bf16 / fp32 / MXFP4 x 3 groupings, fused GLU.
+  ragged   (opt-in) jax.lax.ragged_dot as a second peer (its dense expansion takes seconds).
+  glu      (opt-in) fused gate/up + SiTU at the TP8 slice.
+BENCH_VARIANTS: only these dequant variants in decode (default: all in the sweep).
+BENCH_BUDGET_S (default 150): cases that would start after this many seconds are skipped (listed in
+the JSON); a watchdog writes the JSON and exits if one case hangs for BENCH_CASE_LIMIT_S (default 90).
+The JSON is rewritten after every case.
 
 Shapes: 896 experts, top-16, latent K = 3584, expert intermediate 3072; one TP8 rank's slice of the
-fused gate+up projection (N = 2 * 3072 / 8 = 768); tokens per step 64, 512, 8192 -> rows = 16 x
-tokens, random routing (each token picks 16 distinct experts uniformly). The bf16 weights are the
-exact dequantisation of the MXFP4 ones, so every variant computes the same product.
-Counted: FLOP = 2 * rows * K * N; weight bytes = bytes of the experts that received rows (bf16:
-2 B/elem; MXFP4: 0.5 + 1/32 B/elem), since an empty expert's weights need not be read.
+fused gate+up projection (N = 2 * 3072 / 8 = 768); rows = 16 x tokens, random routing (each token
+picks 16 distinct experts uniformly). The bf16 weights are the exact dequantisation of the MXFP4 ones,
+so every variant computes the same product. Counted: FLOP = 2 * rows * K * N; weight bytes = bytes of
+the experts that received rows (bf16: 2 B/elem; MXFP4 packed: 0.5 + 1/32 B/elem), since an empty
+expert's weights need not be read; % of copy = (weight bytes / time) / (copy bytes read + written /
+copy time).
 """
 from __future__ import annotations
 
@@ -18,6 +39,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -28,8 +50,77 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kernels_pallas.moe import mxfp4  # noqa: E402
-from kernels_pallas.moe.gmm import GmmConfig, default_config, moe_gmm, moe_gmm_glu  # noqa: E402
+from kernels_pallas.moe.gmm import (DEQUANT_VARIANTS, GmmConfig, default_config,  # noqa: E402
+                                    moe_gmm, moe_gmm_glu)
 from kernels_pallas.moe.reference import MXFP4Weight  # noqa: E402
+
+# MXFP4 decode sweep. The first is the best config of the 2026-11-29 run (first dequantisation); the
+# comments give SASS instructions per dequantised weight in the K loop (upstream Triton 3.6 for sm_90,
+# compiled on a CPU machine; see the docstring of kernels_pallas/moe/gmm.py).
+C = GmmConfig
+DECODE_SWEEP = [
+    C(16, 128, 128, num_warps=4, num_stages=4),                                   # interleave   9.5
+    C(16, 128, 256, num_warps=4, num_stages=4, dequant="split"),                  # (a)          8.7
+    C(16, 128, 256, num_warps=4, num_stages=4, dequant="split_bf16"),             # (a)+(c)      7.9
+    C(16, 128, 256, num_warps=4, num_stages=4, dequant="split_asm"),              # PTX, normal  5.3
+    C(16, 128, 256, num_warps=4, num_stages=4, dequant="split_asm_sub"),          # PTX, subnorm 4.0
+    C(16, 128, 512, num_warps=8, num_stages=3, dequant="split_asm"),
+    C(16, 128, 512, num_warps=8, num_stages=3, dequant="split_asm_sub"),          # 4.2
+    C(16, 64, 256, num_warps=4, num_stages=4, dequant="split_asm_sub"),           # 4.5
+    C(16, 256, 128, num_warps=8, num_stages=4, dequant="split_asm_sub"),          # 4.2
+    C(16, 128, 256, num_warps=4, num_stages=4, dequant="split_asm_sub", x_split="stride"),  # 5.1
+]
+# at 512 tokens (9 rows per expert): the baseline and the variants' best guesses only
+DECODE_SWEEP_512 = [DECODE_SWEEP[i] for i in (0, 2, 3, 4, 6, 8)]
+BF16_DECODE = {64: C(16, 256, 128, num_warps=8, num_stages=4),
+               512: C(32, 128, 128, block_m_small=16, num_warps=4, num_stages=4)}
+PREFILL_SWEEP = [
+    C(128, 256, 64, block_m_small=32, num_warps=8, num_stages=3),  # best of 2026-11-29 (1.992 ms)
+    C(128, 256, 64, block_m_small=32, num_warps=8, num_stages=4),  # deeper pipeline (192 KiB smem)
+    C(128, 128, 128, block_m_small=32, num_warps=8, num_stages=3),
+    C(128, 128, 64, block_m_small=32, num_warps=4, num_stages=4),
+    C(64, 256, 64, block_m_small=32, num_warps=4, num_stages=4),   # 3 tiles per 146-row expert
+]
+
+
+def sweep_cases(G=896, K=3584, N=768, topk=16):
+    """(name, fn, args) of every kernel the default sweep runs, as abstract shapes."""
+    sd = jax.ShapeDtypeStruct
+    wq = MXFP4Weight(sd((G, N, K // 2), jnp.uint8), sd((G, N, K // 32), jnp.uint8))
+    wb = sd((G, K, N), jnp.bfloat16)
+    gs = sd((G,), jnp.int32)
+    out = []
+
+    def add(tokens, w, cfg):
+        x = sd((tokens * topk, K), jnp.bfloat16)
+        kind = "mxfp4" if isinstance(w, MXFP4Weight) else "bf16"
+        out.append((f"{kind} tokens {tokens} {cfg.name()}",
+                    lambda a, b, c, cfg=cfg: moe_gmm(a, b, c, backend="pallas", config=cfg),
+                    (x, w, gs)))
+    for cfg in DECODE_SWEEP:
+        add(64, wq, cfg)
+    for cfg in DECODE_SWEEP_512:
+        add(512, wq, cfg)
+    for tokens, cfg in BF16_DECODE.items():
+        add(tokens, wb, cfg)
+    for cfg in PREFILL_SWEEP:
+        add(8192, wb, cfg)
+    return out
+
+
+def lower_check(lower_cuda, log=print):
+    """Lower every swept kernel for CUDA (no GPU needed); returns the names that failed."""
+    bad = []
+    for name, fn, args in sweep_cases():
+        t = time.perf_counter()
+        try:
+            lower_cuda(fn, *args)
+            log(f"lowered  {name}  ({time.perf_counter() - t:.2f} s)")
+        except Exception as ex:  # noqa: BLE001
+            bad.append(name)
+            log(f"FAILED   {name}: {repr(ex)[:300]}")
+    log(f"{len(sweep_cases()) - len(bad)}/{len(sweep_cases())} swept kernels lower to Triton IR")
+    return bad
 
 
 def rel(a, b):
@@ -77,8 +168,118 @@ def random_mxfp4(key, g, n, k):
     return MXFP4Weight(packed, scales)
 
 
-def correctness(res, backend, log):
-    """Edge cases on the device against the reference (ragged_dot on dequantised weights)."""
+class Run:
+    """Results, log, time budget and the JSON written after every case."""
+
+    def __init__(self, out_dir, budget_s, case_limit_s):
+        self.res = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
+                    "device": str(jax.devices()[0]), "skipped": []}
+        self.lines = []
+        self.t0 = time.perf_counter()
+        self.out_dir = out_dir
+        os.makedirs(out_dir, exist_ok=True)
+        self.budget = budget_s
+        self.case_limit = case_limit_s
+        self.case = None
+        self.case_t = None
+        self.lock = threading.Lock()
+
+    def log(self, s):
+        s = f"[{self.elapsed():5.0f}s] {s}"
+        print(s, flush=True)
+        self.lines.append(s)
+
+    def elapsed(self):
+        return time.perf_counter() - self.t0
+
+    def save(self):
+        with self.lock:
+            with open(os.path.join(self.out_dir, "moe_gmm.json"), "w") as fh:
+                json.dump(self.res, fh, indent=1, default=str)
+            with open(os.path.join(self.out_dir, "moe_gmm_log.txt"), "w") as fh:
+                fh.write("\n".join(self.lines) + "\n")
+
+    def start(self, name):
+        """False (and the case is listed as skipped) once the budget is spent."""
+        if self.elapsed() > self.budget:
+            self.res["skipped"].append(name)
+            return False
+        self.case, self.case_t = name, time.perf_counter()
+        return True
+
+    def done(self):
+        self.case = None
+        self.save()
+
+    def watchdog(self):
+        def loop():
+            while True:
+                time.sleep(2)
+                c, t = self.case, self.case_t
+                if c is not None and time.perf_counter() - t > self.case_limit:
+                    self.res["stalled"] = f"{c} ran past {self.case_limit:.0f} s (compile or run)"
+                    self.log(f"WATCHDOG: {self.res['stalled']}; writing results and exiting")
+                    self.save()
+                    os._exit(3)
+        threading.Thread(target=loop, daemon=True).start()
+
+
+def check_variants(run, backend, variants, cpu):
+    """Device exactness of each dequant variant (one compile each: both calls share shapes)."""
+    k, n, g = (128, 64, 3) if cpu else (512, 128, 4)
+    rng = np.random.default_rng(3)
+    packed = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    packed[0] = ((np.arange(n)[:, None] * (k // 2) + np.arange(k // 2)[None, :]) % 256)  # every byte
+    sset = np.array([16, 17, 60, 100, 110, 117, 120, 122, 126, 127, 128, 130, 142], np.uint8)
+    scales = rng.choice(sset, (g, n, k // 32)).astype(np.uint8)
+    packed[0, 5, :16] = 0  # an all-zero group, with the scale byte the quantiser writes for it
+    scales[0, 5, 0] = 0
+    w = MXFP4Weight(jnp.asarray(packed), jnp.asarray(scales))
+    want = np.asarray(mxfp4.dequantize(packed[0], scales[0], jnp.float32)).T  # [K, N]
+    x_eye = jnp.eye(k, dtype=jnp.bfloat16)
+    gs_eye = jnp.asarray([k] + [0] * (g - 1), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((k, k)), jnp.bfloat16)
+    gs = jnp.asarray(np.array([k // 3, 0, k // 2, k // 8] if not cpu else [40, 0, 70], np.int32))
+    tot = int(gs.sum())
+    ref = moe_gmm(x, w, gs, backend="reference")
+    checks = {}
+    cfgs = [C(16, 64 if cpu else 128, 64 if cpu else 256, num_warps=4, num_stages=4, dequant=v)
+            for v in variants]
+    if "split_asm_sub" in variants:
+        cfgs.append(C(16, 64 if cpu else 128, 64 if cpu else 256, num_warps=4, num_stages=4,
+                      dequant="split_asm_sub", x_split="stride"))
+    for cfg in cfgs:
+        name = cfg.name()
+        if not run.start(f"check {name}"):
+            continue
+        try:
+            f = jax.jit(lambda a, b, c, cfg=cfg: moe_gmm(a, b, c, backend=backend, config=cfg))
+            t = time.perf_counter()
+            y = np.asarray(f(x_eye, w, gs_eye), np.float32)
+            compile_s = time.perf_counter() - t
+            bad = int(np.sum(y != want))
+            yr = f(x, w, gs)
+            e = rel(yr, ref)
+            tail = bool(jnp.all(yr[tot:] == 0))
+            ok = bad == 0 and e < 1e-2 and tail
+            checks[name] = {"exact_mismatches": bad, "rel_vs_reference": e, "tail_zero": tail,
+                            "ok": ok, "compile_s": compile_s}
+            if bad:
+                idx = np.argwhere(y != want)[:4]
+                checks[name]["first_mismatches"] = [
+                    (int(i), int(j), float(y[i, j]), float(want[i, j]),
+                     int(packed[0, j, i // 2]), int(scales[0, j, i // 32])) for i, j in idx]
+        except Exception as ex:  # noqa: BLE001
+            checks[name] = {"ok": False, "error": repr(ex)[:600]}
+        run.res["check"] = checks
+        run.log(f"check {name}: {json.dumps(checks[name])[:300]}")
+        run.done()
+    nbad = sum(not v["ok"] for v in checks.values())
+    run.log(f"check: {len(checks) - nbad}/{len(checks)} variants exact and within tolerance")
+
+
+def dense_correctness(run, backend):
+    """The older grid: bf16 / fp32 / MXFP4 x groupings x 2 configs, fused GLU (opt-in)."""
     rng = np.random.default_rng(1)
     checks = {}
     m, k, n, g = 300, 256, 192, 12
@@ -86,16 +287,18 @@ def correctness(res, backend, log):
     wq = random_mxfp4(jax.random.key(5), g, n, k)
     wd = jnp.swapaxes(mxfp4.dequantize(wq.packed, wq.scales, jnp.float32), 1, 2)
     groupings = {
-        "empty+short": np.array([40, 0, 0, 77, 5, 0, 60, 1, 0, 30, 0, 17], np.int32),  # sum 230 < 300
+        "empty+short": np.array([40, 0, 0, 77, 5, 0, 60, 1, 0, 30, 0, 17], np.int32),
         "one_takes_all": np.eye(g, dtype=np.int32)[4] * m,
         "random": np.bincount(rng.integers(0, g, m), minlength=g).astype(np.int32),
     }
-    cfgs = [GmmConfig(16, 64, 128), GmmConfig(64, 64, 64, block_m_small=16)]
+    cfgs = [C(16, 64, 128), C(64, 64, 64, block_m_small=16)]
+    if not run.start("dense correctness"):
+        return
     for gname, gs in groupings.items():
         gs = jnp.asarray(gs)
         tot = int(gs.sum())
-        for wname, w, xx in [("bf16", wd.astype(jnp.bfloat16), x), ("fp32", wd, x.astype(jnp.float32)),
-                             ("mxfp4", wq, x)]:
+        for wname, w, xx in [("bf16", wd.astype(jnp.bfloat16), x),
+                             ("fp32", wd, x.astype(jnp.float32)), ("mxfp4", wq, x)]:
             ref = moe_gmm(xx, w, gs, backend="reference")
             for ci, cfg in enumerate(cfgs):
                 name = f"{gname}/{wname}/cfg{ci}"
@@ -103,17 +306,15 @@ def correctness(res, backend, log):
                     y = moe_gmm(xx, w, gs, backend=backend, config=cfg)
                     e = rel(y, ref)
                     tail_zero = bool(jnp.all(y[tot:] == 0))
-                    finite = bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
                     tol = 1e-2 if xx.dtype == jnp.bfloat16 else 1e-4
-                    checks[name] = {"rel": e, "tail_zero": tail_zero,
-                                    "ok": e < tol and tail_zero and finite}
+                    checks[name] = {"rel": e, "tail_zero": tail_zero, "ok": e < tol and tail_zero}
                 except Exception as ex:  # noqa: BLE001
                     checks[name] = {"ok": False, "error": repr(ex)[:400]}
         for act in ("swiglu", "situ"):
             w3 = random_mxfp4(jax.random.key(9), g, n, k)
             try:
                 y = moe_gmm_glu(x, wq, w3, gs, activation=act, backend=backend,
-                                config=GmmConfig(64, 64, 64, block_m_small=16))
+                                config=C(64, 64, 64, block_m_small=16, dequant="split_asm_sub"))
                 r = moe_gmm_glu(x, wq, w3, gs, activation=act, backend="reference")
                 e = rel(y, r)
                 checks[f"{gname}/glu_{act}/mxfp4"] = {"rel": e, "ok": e < 1e-2 and bool(
@@ -121,15 +322,14 @@ def correctness(res, backend, log):
             except Exception as ex:  # noqa: BLE001
                 checks[f"{gname}/glu_{act}/mxfp4"] = {"ok": False, "error": repr(ex)[:400]}
     bad = {k_: v for k_, v in checks.items() if not v["ok"]}
-    res["correctness"] = checks
-    log(f"correctness: {len(checks) - len(bad)}/{len(checks)} ok"
-        + (f"; failing: {json.dumps(bad)[:1500]}" if bad else "")
-        + f"; max rel {max(v.get('rel', 0) for v in checks.values()):.2e}")
-    return not bad
+    run.res["dense_correctness"] = checks
+    run.log(f"dense correctness: {len(checks) - len(bad)}/{len(checks)} ok"
+            + (f"; failing: {json.dumps(bad)[:1500]}" if bad else ""))
+    run.done()
 
 
-def ceilings(res, log, cpu):
-    if cpu:
+def ceilings(run, cpu):
+    if cpu or not run.start("ceilings"):
         return {"copy_TBps": float("nan"), "mm_TFLOPs": float("nan")}
     import torch
     x = torch.empty(1 << 30, device="cuda", dtype=torch.bfloat16).normal_()
@@ -141,6 +341,7 @@ def ceilings(res, log, cpu):
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = torch_wall(lambda: a @ b, n=20)
     mm = 2 * 8192 ** 3 / ms / 1e9
+    del a, b
     xa = jax.random.normal(jax.random.key(0), (1 << 30,), jnp.bfloat16)
     f = jax.jit(lambda v: v * 2)
     jcopy = 2 * xa.size * 2 / wall(lambda: f(xa)) / 1e9
@@ -149,202 +350,240 @@ def ceilings(res, log, cpu):
     g = jax.jit(lambda u: u @ u)
     jmm = 2 * 8192 ** 3 / wall(lambda: g(aj)) / 1e9
     c = {"copy_TBps": copy, "mm_TFLOPs": mm, "jax_x2_TBps": jcopy, "jax_mm_TFLOPs": jmm}
-    res["ceilings"] = c
-    log(f"ceilings: torch copy {copy:.2f} TB/s (r+w), torch bf16 mm {mm:.0f} TFLOP/s, "
-        f"jax x*2 {jcopy:.2f} TB/s, jax mm {jmm:.0f} TFLOP/s")
+    run.res["ceilings"] = c
+    run.log(f"ceilings: torch copy {copy:.2f} TB/s (r+w), torch bf16 mm {mm:.0f} TFLOP/s, "
+            f"jax x*2 {jcopy:.2f} TB/s, jax mm {jmm:.0f} TFLOP/s")
+    run.done()
     return c
 
 
-def sweep_configs(tokens, quant, cpu):
-    if cpu:
-        return [None, GmmConfig(16, 32, 64)]
-    if tokens <= 64:
-        return ([GmmConfig(16, 64, 256, num_stages=4), GmmConfig(16, 128, 256, num_warps=8, num_stages=4),
-                 GmmConfig(16, 128, 128, num_stages=4), GmmConfig(16, 64, 512, num_warps=8, num_stages=3)]
-                if quant else
-                [GmmConfig(16, 128, 128, num_stages=4), GmmConfig(16, 128, 256, num_stages=3),
-                 GmmConfig(16, 64, 256, num_stages=4), GmmConfig(16, 256, 128, num_warps=8, num_stages=4)])
-    if tokens <= 512:
-        return ([GmmConfig(16, 64, 256, num_stages=4), GmmConfig(32, 128, 256, block_m_small=16,
-                                                                 num_warps=8),
-                 GmmConfig(16, 128, 256, num_warps=8, num_stages=4)]
-                if quant else
-                [GmmConfig(16, 128, 128, num_stages=4), GmmConfig(32, 128, 128, block_m_small=16,
-                                                                 num_stages=4),
-                 GmmConfig(16, 128, 256, num_stages=3)])
-    # MXFP4 prefill: on 2026-11-29 the run stalled past its time limit right after the first config
-    # below (next was bm128 bn128 bk128 w8); those untried configs are left out until looked at.
-    return ([GmmConfig(128, 128, 64, block_m_small=32), GmmConfig(64, 128, 64, block_m_small=16,
-                                                                  num_stages=4)]
-            if quant else
-            [GmmConfig(128, 128, 64, block_m_small=32), GmmConfig(128, 256, 64, block_m_small=32,
-                                                                  num_warps=8),
-             GmmConfig(64, 128, 64, block_m_small=16, num_stages=4)])
+def torch_peer(x, w_nk, gs, flop, wbytes_bf16):
+    import torch
+    xt = torch.from_dlpack(x)
+    wt = torch.from_dlpack(w_nk).transpose(-2, -1)
+    offs = torch.from_dlpack(jax.block_until_ready(jnp.cumsum(gs).astype(jnp.int32)))
+    f = lambda: torch._grouped_mm(xt, wt, offs=offs)  # noqa: E731
+    y = f()
+    ms = torch_wall(f)
+    ent = {"ms": ms, "TFLOPs": flop / ms / 1e9, "weight_TBps_bf16": wbytes_bf16 / ms / 1e9}
+    return ent, jnp.asarray(np.asarray(y.float().cpu()))
 
 
-def run(args):
+def exact_inputs(wq, m, k, n, g):
+    """A copy of `wq` whose expert 0 holds every byte value and scale bytes 16..142 (plus an all-zero
+    group with scale byte 0), one-hot x rows (column c_i of row i) and all rows on expert 0: the
+    kernel's out[i, :] must equal the exact dequantised w0[:, c_i]."""
+    rng = np.random.default_rng(11)
+    p0 = ((np.arange(n)[:, None] * 7 + np.arange(k // 2)[None, :]) % 256).astype(np.uint8)
+    sset = np.array([16, 17, 60, 100, 110, 117, 120, 122, 126, 127, 128, 130, 142], np.uint8)
+    s0 = rng.choice(sset, (n, k // 32)).astype(np.uint8)
+    p0[3, 16:32] = 0  # an all-zero group (columns 32..63 of row 3) with scale byte 0
+    s0[3, 1] = 0
+    w = MXFP4Weight(wq.packed.at[0].set(jnp.asarray(p0)), wq.scales.at[0].set(jnp.asarray(s0)))
+    c = (np.arange(m) * 7 + np.arange(m) // k) % k  # both nibbles, every group offset
+    x = np.zeros((m, k), np.float32)
+    x[np.arange(m), c] = 1.0
+    want = np.asarray(mxfp4.dequantize(p0, s0, jnp.float32))[:, c].T  # [m, n]
+    gs = np.zeros(g, np.int32)
+    gs[0] = m
+    return jnp.asarray(x, jnp.bfloat16), w, jnp.asarray(gs), want
+
+
+def time_ours(x, w, gs, cfg, backend, cpu, flop, wbytes, copy, y_peer, exact=None):
+    try:
+        f = jax.jit(lambda a, b, c, cfg=cfg: moe_gmm(a, b, c, backend=backend, config=cfg))
+        t = time.perf_counter()
+        y = jax.block_until_ready(f(x, w, gs))
+        compile_s = time.perf_counter() - t
+        err = rel(y, y_peer) if y_peer is not None else float("nan")
+        ms = wall(lambda: f(x, w, gs), n=2 if cpu else 20)
+        ent = {"ms": ms, "TFLOPs": flop / ms / 1e9, "weight_TBps": wbytes / ms / 1e9,
+               "pct_copy": 100 * wbytes / ms / 1e9 / copy if copy == copy else None,
+               "rel_vs_peer": err, "ok": bool(err < 1e-2) if err == err else None,
+               "first_call_s": compile_s, "config": cfg.name()}
+        if exact is not None:  # same shapes: the compiled kernel is reused
+            xe, we, ge, want = exact
+            ye = np.asarray(f(xe, we, ge), np.float32)
+            ent["exact_mismatches"] = int(np.sum(ye != want))
+            ent["ok"] = ent["ok"] is not False and ent["exact_mismatches"] == 0
+        del y
+    except Exception as ex:  # noqa: BLE001
+        ent = {"error": repr(ex)[:600], "config": cfg.name()}
+    return ent
+
+
+def run_bench(args):
     cpu = args.cpu_smoke
     backend = "interpret" if cpu else "pallas"
-    out_dir = os.environ.get("OUT", "/tmp")
-    res = {"date": "2026-11-29", "jax": jax.__version__, "device": str(jax.devices()[0])}
-    lines = []
-
-    def log(s):
-        print(s, flush=True)
-        lines.append(s)
-
+    sections = set(os.environ.get("BENCH_SECTIONS", "ceil,decode,prefill").split(","))
+    variants = os.environ.get("BENCH_VARIANTS")
+    variants = variants.split(",") if variants else list(DEQUANT_VARIANTS)
+    dec_tokens = [int(t) for t in os.environ.get(
+        "BENCH_DECODE_TOKENS", "4,32" if cpu else "64,512").split(",") if t]
+    pre_tokens = [int(t) for t in os.environ.get(
+        "BENCH_PREFILL_TOKENS", "64" if cpu else "8192").split(",") if t]
+    run = Run(os.environ.get("OUT", "/tmp"), float(os.environ.get("BENCH_BUDGET_S", "150")),
+              float(os.environ.get("BENCH_CASE_LIMIT_S", "90")))
+    run.res.update(sections=sorted(sections), variants=variants)
+    run.watchdog()
     try:
         import torch
-        res["torch"] = torch.__version__
-        has_torch = torch.cuda.is_available()
+        run.res["torch"] = torch.__version__
+        has_torch = (not cpu) and torch.cuda.is_available()
         if has_torch:
-            res["device_name"] = torch.cuda.get_device_name()
+            run.res["device_name"] = torch.cuda.get_device_name()
     except ImportError:
         has_torch = False
-    log(f"jax {jax.__version__} on {res['device']}; torch: {res.get('torch', 'missing')}")
-    t0 = time.perf_counter()
-    correctness(res, backend, log)
-    log(f"[{time.perf_counter() - t0:.0f}s] correctness done")
-    ceil = ceilings(res, log, cpu)
-    log(f"[{time.perf_counter() - t0:.0f}s] ceilings done")
+    run.log(f"jax {jax.__version__} on {run.res['device']}; torch: {run.res.get('torch', 'missing')};"
+            f" sections {sorted(sections)}")
+    if "check" in sections:
+        check_variants(run, backend, [v for v in DEQUANT_VARIANTS if v in variants], cpu)
+    if "dense" in sections:
+        dense_correctness(run, backend)
+    ceil = ceilings(run, cpu) if "ceil" in sections else {"copy_TBps": float("nan")}
+    copy = ceil["copy_TBps"]
 
     if cpu:
         G, TOPK, K, N = 8, 2, 128, 64
-        token_list = [4, 32]
     else:
         G, TOPK, K, N = 896, 16, 3584, 768
-        token_list = [64, 512, 8192]
-    wq = random_mxfp4(jax.random.key(42), G, N, K)
-    w_nk = jax.jit(lambda p, s: mxfp4.dequantize(p, s, jnp.bfloat16))(wq.packed, wq.scales)
-    w_kn = jax.jit(lambda a: jnp.swapaxes(a, 1, 2))(w_nk)
-    jax.block_until_ready(w_kn)
+    need_w = sections & {"decode", "prefill", "glu"}
+    if need_w:
+        wq = random_mxfp4(jax.random.key(42), G, N, K)
+        w_nk = jax.jit(lambda p, s: mxfp4.dequantize(p, s, jnp.bfloat16))(wq.packed, wq.scales)
+        w_kn = jax.jit(lambda a: jnp.swapaxes(a, 1, 2))(w_nk)
+        jax.block_until_ready(w_kn)
+        run.log("weights ready")
     rng = np.random.default_rng(0)
-    rows_table = []
-    res["cases"] = {}
-    rd_ms_per_row = None
-    for tokens in token_list:
+    run.res["cases"] = {}
+    table = []
+
+    def case_inputs(tokens):
         m = tokens * TOPK
         gs_np = routing(rng, tokens, G, TOPK)
         nonempty = int((gs_np > 0).sum())
-        gs = jnp.asarray(gs_np)
         x = jax.random.normal(jax.random.key(tokens), (m, K), jnp.bfloat16)
-        flop = 2 * m * K * N
         case = {"rows": m, "tokens": tokens, "nonempty_experts": nonempty,
-                "max_rows_per_expert": int(gs_np.max()), "flop": flop}
+                "max_rows_per_expert": int(gs_np.max()), "flop": 2 * m * K * N}
         wbytes = {"bf16": nonempty * K * N * 2, "mxfp4": nonempty * (K * N // 2 + K * N // 32)}
-        # peer: torch._grouped_mm on the same (dequantised) weights, K3's [out, in] storage
-        y_t = None
-        if has_torch:
+        return m, jnp.asarray(gs_np), x, case, wbytes
+
+    def peers(tokens, x, gs, case, wbytes):
+        y_peer = None
+        if has_torch and run.start(f"torch {tokens}"):
             try:
-                xt = torch.from_dlpack(x)
-                wt = torch.from_dlpack(w_nk).transpose(-2, -1)
-                offs = torch.from_dlpack(jax.block_until_ready(jnp.cumsum(gs).astype(jnp.int32)))
-                f = lambda: torch._grouped_mm(xt, wt, offs=offs)  # noqa: E731
-                y_t = f()
-                ms = torch_wall(f)
-                case["torch_grouped_mm"] = {"ms": ms, "TFLOPs": flop / ms / 1e9,
-                                            "weight_TBps_bf16": wbytes["bf16"] / ms / 1e9}
-                y_t = jnp.asarray(np.asarray(y_t.float().cpu()))
+                case["torch_grouped_mm"], y_peer = torch_peer(x, w_nk, gs, case["flop"],
+                                                              wbytes["bf16"])
             except Exception as ex:  # noqa: BLE001
                 case["torch_grouped_mm"] = {"error": repr(ex)[:400]}
-        # peer: jax.lax.ragged_dot (default lowering); guarded: its dense expansion costs ~G x FLOPs
-        rdf = jax.jit(lambda a, b, c: jax.lax.ragged_dot(a, b, c, preferred_element_type=jnp.float32)
-                      .astype(jnp.bfloat16))
-        pred = None if rd_ms_per_row is None else rd_ms_per_row * m
-        if pred is None or pred < 3000:
+            run.log(f"tokens {tokens} torch._grouped_mm: "
+                    + json.dumps(case["torch_grouped_mm"])[:200])
+            run.done()
+        if "ragged" in sections and run.start(f"ragged_dot {tokens}"):
+            rdf = jax.jit(lambda a, b, c: jax.lax.ragged_dot(
+                a, b, c, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
             try:
-                t1 = time.perf_counter()
+                t = time.perf_counter()
                 y_rd = jax.block_until_ready(rdf(x, w_kn, gs))
-                first = (time.perf_counter() - t1) * 1e3
+                first = (time.perf_counter() - t) * 1e3
                 ms = first if first > 2000 else wall(lambda: rdf(x, w_kn, gs), n=3, reps=3)
-                rd_ms_per_row = ms / m
-                case["jax_ragged_dot"] = {"ms": ms, "TFLOPs": flop / ms / 1e9,
-                                          "note": "first call incl. compile" if first > 2000 else ""}
-                if y_t is None:
-                    y_t = y_rd
-                else:
-                    case["torch_vs_ragged_dot_rel"] = rel(y_t, y_rd)
-                del y_rd
+                case["jax_ragged_dot"] = {"ms": ms, "note": "incl. compile" if first > 2000 else ""}
+                y_peer = y_rd if y_peer is None else y_peer
             except Exception as ex:  # noqa: BLE001
                 case["jax_ragged_dot"] = {"error": repr(ex)[:400]}
-        else:
-            case["jax_ragged_dot"] = {"skipped": f"predicted {pred / 1e3:.0f} s from the smaller case"}
-        for wname, w in [("bf16", w_kn), ("mxfp4", wq)]:
-            best = None
-            for cfg in sweep_configs(tokens, wname == "mxfp4", cpu):
-                key = f"ours_{wname}_" + ("default" if cfg is None else
-                                          f"bm{cfg.block_m}/{cfg.block_m_small}_bn{cfg.block_n}_bk"
-                                          f"{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}")
-                try:
-                    f = jax.jit(lambda a, b, c, cfg=cfg: moe_gmm(a, b, c, backend=backend, config=cfg))
-                    y = f(x, w, gs)
-                    err = rel(y, y_t) if y_t is not None else float("nan")
-                    ms = wall(lambda: f(x, w, gs), n=2 if cpu else 20)
-                    ent = {"ms": ms, "TFLOPs": flop / ms / 1e9, "weight_TBps": wbytes[wname] / ms / 1e9,
-                           "rel_vs_peer": err, "ok": bool(err < 1e-2)}
-                    if cfg is not None:
-                        ent["smem_est_bytes"] = cfg.smem_bytes(2, wname == "mxfp4")
-                    del y
-                except Exception as ex:  # noqa: BLE001
-                    ent = {"error": repr(ex)[:600]}
-                case[key] = ent
-                log(f"  tokens {tokens} {key}: " + json.dumps(ent)[:300])
-                if "ms" in ent and ent["ok"] and (best is None or ent["ms"] < best[1]["ms"]):
-                    best = (key, ent)
-            case[f"best_{wname}"] = best[0] if best else None
-            tt = case.get("torch_grouped_mm", {}).get("ms")
-            rd = case.get("jax_ragged_dot", {}).get("ms")
-            if best:
-                e = best[1]
-                rows_table.append([tokens, m, nonempty, wname, e["ms"], e["TFLOPs"], e["weight_TBps"],
-                                   e["weight_TBps"] / ceil["copy_TBps"] if ceil["copy_TBps"] else 0,
-                                   tt, (tt / e["ms"]) if tt else None, rd, (rd / e["ms"]) if rd else None,
-                                   e["rel_vs_peer"]])
-        res["cases"][str(tokens)] = case
-        log(f"  tokens {tokens} peers: torch {json.dumps(case.get('torch_grouped_mm'))[:200]}; "
-            f"ragged_dot {json.dumps(case.get('jax_ragged_dot'))[:200]}")
-        with open(os.path.join(out_dir, "moe_gmm.json"), "w") as fh:
-            json.dump(res, fh, indent=1, default=str)
-        log(f"[{time.perf_counter() - t0:.0f}s] tokens {tokens} done")
-        del x
-    # fused gate/up + SiTU at the TP8 slice (w1, w3: N = 384 each) vs the unfused N = 768 call
-    if not cpu:
-        res["glu"] = {}
+            run.done()
+        if y_peer is None and run.start(f"reference {tokens}"):  # no torch: the plain-JAX reference
+            y_peer = jax.jit(lambda a, b, c: moe_gmm(a, b, c, backend="reference"))(x, w_kn, gs)
+            run.done()
+        return y_peer
+
+    def sweep(tokens, wname, w, cfgs, x, gs, case, wbytes, y_peer, exact=None):
+        tt = case.get("torch_grouped_mm", {}).get("ms")
+        for cfg in cfgs:
+            key = f"ours_{wname}_{cfg.name()}"
+            if not run.start(f"{tokens} {key}"):
+                continue
+            ent = time_ours(x, w, gs, cfg, backend, cpu, case["flop"], wbytes[wname], copy, y_peer,
+                            exact)
+            case[key] = ent
+            run.log(f"tokens {tokens} {key}: " + json.dumps(ent)[:260])
+            run.done()
+            if "ms" in ent:
+                table.append((wname, tokens, cfg.dequant if wname == "mxfp4" else "-", cfg.name(),
+                              ent, tt))
+
+    for section, token_list in (("decode", dec_tokens), ("prefill", pre_tokens)):
+        if section not in sections:
+            continue
+        for tokens in token_list:
+            m, gs, x, case, wbytes = case_inputs(tokens)
+            run.res["cases"][str(tokens)] = case
+            y_peer = peers(tokens, x, gs, case, wbytes)
+            if section == "prefill":
+                cfgs = PREFILL_SWEEP if not cpu else [C(32, 32, 64, block_m_small=16)]
+                sweep(tokens, "bf16", w_kn, cfgs, x, gs, case, wbytes, y_peer)
+                continue
+            cfgs = DECODE_SWEEP if tokens <= 64 else DECODE_SWEEP_512
+            cfgs = [c for c in cfgs if c.dequant in variants]
+            if cpu:
+                cfgs = list(dict.fromkeys(C(16, 32, 64, dequant=c.dequant, x_split=c.x_split)
+                                          for c in cfgs))
+            sweep(tokens, "mxfp4", wq, cfgs, x, gs, case, wbytes, y_peer,
+                  exact_inputs(wq, m, K, N, G))
+            bcfg = BF16_DECODE.get(tokens, BF16_DECODE[64]) if not cpu else C(16, 32, 64)
+            sweep(tokens, "bf16", w_kn, [bcfg], x, gs, case, wbytes, y_peer)
+            del x
+
+    if "glu" in sections and not cpu:
+        run.res["glu"] = {}
         w1 = MXFP4Weight(wq.packed[:, : N // 2], wq.scales[:, : N // 2])
         w3 = MXFP4Weight(wq.packed[:, N // 2:], wq.scales[:, N // 2:])
-        for tokens in token_list:
+        for tokens in dec_tokens:
+            if not run.start(f"glu {tokens}"):
+                continue
             m = tokens * TOPK
             gs = jnp.asarray(routing(rng, tokens, G, TOPK))
             x = jax.random.normal(jax.random.key(tokens + 1), (m, K), jnp.bfloat16)
             try:
-                f = jax.jit(lambda a, c: moe_gmm_glu(a, w1, w3, c, activation="situ", backend=backend))
-                r = jax.jit(lambda a, c: moe_gmm_glu(a, w1, w3, c, activation="situ",
-                                                     backend="reference"))
-                err = rel(f(x, gs), r(x, gs)) if tokens <= 512 else float("nan")
+                f = jax.jit(lambda a, c: moe_gmm_glu(a, w1, w3, c, activation="situ",
+                                                     backend=backend))
                 ms = wall(lambda: f(x, gs))
                 cfg = default_config(m, G, K, N // 2, True, True)
-                res["glu"][str(tokens)] = {"ms": ms, "TFLOPs": 2 * m * K * N / ms / 1e9, "rel": err,
-                                           "config": str(cfg)}
-                log(f"  glu situ mxfp4 tokens {tokens}: {ms:.3f} ms rel {err:.2e}")
+                run.res["glu"][str(tokens)] = {"ms": ms, "TFLOPs": 2 * m * K * N / ms / 1e9,
+                                               "config": cfg.name()}
             except Exception as ex:  # noqa: BLE001
-                res["glu"][str(tokens)] = {"error": repr(ex)[:400]}
-                log(f"  glu tokens {tokens}: error {repr(ex)[:300]}")
-    res["table"] = rows_table
-    hdr = ("tokens rows experts w | ours ms TFLOP/s weightTB/s %copy | torch ms ratio | "
-           "ragged_dot ms ratio | rel err")
-    log(hdr)
-    for r in rows_table:
-        def fmt(v, p=3):
-            return "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
-        log(f"{r[0]} {r[1]} {r[2]} {r[3]} | {fmt(r[4])} {fmt(r[5], 0)} {fmt(r[6], 2)} {fmt(r[7] * 100, 0)}% | "
-            f"{fmt(r[8])} {fmt(r[9], 2)}x | {fmt(r[10], 1)} {fmt(r[11], 1)}x | {fmt(r[12], 4)}")
-    with open(os.path.join(out_dir, "moe_gmm.json"), "w") as fh:
-        json.dump(res, fh, indent=1, default=str)
-    with open(os.path.join(out_dir, "moe_gmm_log.txt"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+                run.res["glu"][str(tokens)] = {"error": repr(ex)[:400]}
+            run.log(f"glu situ mxfp4 tokens {tokens}: {json.dumps(run.res['glu'][str(tokens)])}")
+            run.done()
+
+    # summary table
+    rows = []
+    hdr = ("weights tokens variant | config | ms | TFLOP/s | weight TB/s | % copy | torch ms | "
+           "torch/ours | rel vs torch | exact")
+    run.log(hdr)
+    for wname, tokens, variant, cname, e, tt in table:
+        pct = "-" if e.get("pct_copy") is None else "%.0f%%" % e["pct_copy"]
+        peer = "- | -" if tt is None else "%.3f | %.2fx" % (tt, tt / e["ms"])
+        line = (f"{wname} {tokens} {variant} | {cname} | {e['ms']:.3f} | {e['TFLOPs']:.0f} | "
+                f"{e['weight_TBps']:.2f} | {pct} | {peer} | {e['rel_vs_peer']:.1e} | "
+                + ("-" if "exact_mismatches" not in e else
+                   "yes" if e["exact_mismatches"] == 0 else f"NO ({e['exact_mismatches']} differ)"))
+        rows.append(line)
+        run.log(line)
+    run.res["table"] = rows
+    if run.res["skipped"]:
+        run.log(f"skipped (budget {run.budget:.0f} s): {run.res['skipped']}")
+    run.log(f"total {run.elapsed():.0f} s")
+    run.save()
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu-smoke", action="store_true")
-    run(ap.parse_args())
+    ap.add_argument("--lower-check", action="store_true")
+    a = ap.parse_args()
+    if a.lower_check:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".tools"))
+        from lower_check import lower_cuda  # noqa: E402
+        sys.exit(1 if lower_check(lower_cuda) else 0)
+    run_bench(a)

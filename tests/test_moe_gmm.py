@@ -1,5 +1,9 @@
 """kernels_pallas.moe_gmm: the Pallas kernel (interpret mode) against the plain-JAX reference
-(ragged_dot on dequantised weights), plus exact MXFP4 decoding from hand-built bytes."""
+(ragged_dot on dequantised weights), exact MXFP4 decoding from hand-built bytes for every dequant
+variant, and (with .tools/lower_check.py) the lowering of every benchmarked kernel for an H200."""
+import importlib.util
+import pathlib
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -7,7 +11,8 @@ import pytest
 
 from kernels_pallas import GmmConfig, MXFP4Weight, moe_gmm, moe_gmm_glu, moe_gmm_tile_metadata
 from kernels_pallas.moe import mxfp4
-from kernels_pallas.moe.gmm import _dequant_tile
+from kernels_pallas.moe.gmm import (_BF16_MAX_SCALE, DEQUANT_VARIANTS, _dequant_split, _dequant_tile,
+                                    dequant_variant)
 
 
 def _rel(a, b):
@@ -49,9 +54,29 @@ CASES = [
     (40, 128, 32, 3, "one_takes_all", "mxfp4", jnp.float32, GmmConfig(32, 32, 64, block_m_small=16)),
     (90, 64, 32, 9, "random", "mxfp4", jnp.bfloat16, None),
 ]
+# every MXFP4 dequant variant: ragged K (96 = 64 + 32) and N (40 = 32 + 8) exercise the masks
+for _i, _v in enumerate(DEQUANT_VARIANTS):
+    CASES.append((61 + _i, 96, 40, 7, ("empty_and_short", "one_takes_all", "random")[_i % 3], "mxfp4",
+                  jnp.bfloat16, GmmConfig(16, 32, 64, dequant=_v)))
+CASES += [
+    (45, 128, 32, 5, "empty_and_short", "mxfp4", jnp.bfloat16,
+     GmmConfig(32, 32, 64, block_m_small=16, dequant="split_asm_sub", x_split="stride")),
+    (40, 96, 32, 3, "one_takes_all", "mxfp4", jnp.float32,
+     GmmConfig(16, 32, 64, dequant="split_asm")),
+    (52, 128, 64, 4, "random", "mxfp4", jnp.float32,
+     GmmConfig(32, 64, 128, block_m_small=16, dequant="interleave_bf16")),
+]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}K{c[1]}N{c[2]}G{c[3]}-{c[4]}-{c[5]}")
+def _case_id(c):
+    cfg = c[7]
+    tail = "" if cfg is None else f"-{cfg.dequant}"
+    if cfg is not None and cfg.x_split != "pre":
+        tail += f"-x{cfg.x_split}"
+    return f"M{c[0]}K{c[1]}N{c[2]}G{c[3]}-{c[4]}-{c[5]}-{jnp.dtype(c[6]).name}" + tail
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_moe_gmm_matches_reference(case):
     m, k, n, g, kind, wtype, xdt, cfg = case
     rng = np.random.default_rng(abs(hash(case[:6])) % 2**32)
@@ -72,14 +97,16 @@ def test_moe_gmm_matches_reference(case):
     assert _rel(y, rd) < tol
 
 
-@pytest.mark.parametrize("activation,wtype", [("swiglu", "bf16"), ("situ", "mxfp4")])
-def test_moe_gmm_glu_matches_reference(activation, wtype):
+@pytest.mark.parametrize("activation,wtype,dequant", [("swiglu", "bf16", "interleave"),
+                                                     ("situ", "mxfp4", "interleave"),
+                                                     ("situ", "mxfp4", "split_asm_sub")])
+def test_moe_gmm_glu_matches_reference(activation, wtype, dequant):
     m, k, n, g = 53, 64, 32, 6
     rng = np.random.default_rng(7)
     gs = jnp.asarray(_groups(rng, m, g, "empty_and_short"))
     x = jnp.asarray(rng.standard_normal((m, k)) * 2, jnp.bfloat16)
     w1, w3 = _weights(rng, g, k, n, wtype), _weights(rng, g, k, n, wtype)
-    cfg = GmmConfig(32, 32, 64, block_m_small=16)
+    cfg = GmmConfig(32, 32, 64, block_m_small=16, dequant=dequant)
     y = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="interpret", config=cfg)
     ref = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="reference")
     assert _rel(y, ref) < 1e-2
@@ -132,6 +159,94 @@ def test_mxfp4_unpack_hand_built_bytes():
                 backend="interpret", config=GmmConfig(16, 16, 32))
     np.testing.assert_array_equal(np.asarray(y)[:, :2].T, want)
     assert np.all(np.asarray(y)[:, 2:] == 0)
+
+
+# Scale bytes each in-kernel encoding keeps exact (below 16 the products leave bf16's normal range;
+# the "bf16" encodings end at 143, where the factor 2^(s-16) is bf16's largest power of two).
+_SCALES_F16 = [16, 17, 100, 117, 122, 126, 127, 128, 150, 200, 240, 250]
+_SCALES_BF16 = [16, 17, 60, 100, 117, 122, 126, 127, 128, 130, 142, _BF16_MAX_SCALE]
+
+
+def test_dequant_encodings_exact_for_every_byte():
+    """_dequant_tile / _dequant_split (times 2^-14, undone on the accumulator) equal the codec for
+    every byte, both nibble orders, each encoding's scale range, and an all-zero group (s = 0)."""
+    allb = np.arange(256, dtype=np.uint8).reshape(16, 16)  # [bn = 16, K/2 = 16]: K = 32, 1 group
+    for bits, scales in (("f16", _SCALES_F16), ("bf16", _SCALES_BF16)):
+        sc = np.resize(np.array(scales, np.uint8), 16)[:, None]
+        want = np.asarray(mxfp4.dequantize(allb, sc, jnp.float32))  # [16, 32]
+        got = np.asarray(_dequant_tile(jnp.asarray(allb), jnp.asarray(sc), jnp.float32, bits))
+        np.testing.assert_array_equal(got * 2.0 ** 14, want)
+        lo, hi = _dequant_split(jnp.asarray(allb), jnp.asarray(sc), jnp.float32, bits)
+        np.testing.assert_array_equal(np.asarray(lo) * 2.0 ** 14, want[:, 0::2])
+        np.testing.assert_array_equal(np.asarray(hi) * 2.0 ** 14, want[:, 1::2])
+        zero = np.zeros((2, 16), np.uint8)
+        lo, hi = _dequant_split(jnp.asarray(zero), jnp.zeros((2, 1), jnp.uint8), jnp.bfloat16, bits)
+        assert np.all(np.asarray(lo, np.float32) == 0) and np.all(np.asarray(hi, np.float32) == 0)
+    # bf16 encodings beyond their range are loud (inf / nan), not silently wrong
+    lo, _ = _dequant_split(jnp.asarray(allb[:1]), jnp.full((1, 1), _BF16_MAX_SCALE + 1, jnp.uint8),
+                           jnp.float32, "bf16")
+    assert not np.any(np.isfinite(np.asarray(lo)))
+
+
+@pytest.mark.parametrize("dequant", DEQUANT_VARIANTS)
+def test_mxfp4_variant_exact_through_kernel(dequant):
+    """One-hot x rows on one expert that holds every byte value and the variant's scale range:
+    out[i, n] must be the exact dequantised w[n, c_i] (several row tiles, both nibbles, all
+    groups)."""
+    k, n, g, m = 128, 32, 3, 48
+    rng = np.random.default_rng(21)
+    packed = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    packed[1] = ((np.arange(n)[:, None] * 5 + np.arange(k // 2)[None, :]) % 256)
+    _, bits = dequant_variant(dequant)
+    sset = _SCALES_F16 if bits == "f16" else _SCALES_BF16
+    scales = rng.choice(np.array(sset, np.uint8), (g, n, k // 32))
+    packed[1, 2, 16:32] = 0  # an all-zero group with the quantiser's scale byte 0
+    scales[1, 2, 1] = 0
+    c = (np.arange(m) * 5 + 3) % k
+    x = np.zeros((m, k), np.float32)
+    x[np.arange(m), c] = 1.0
+    want = np.asarray(mxfp4.dequantize(packed[1], scales[1], jnp.float32))[:, c].T
+    w = MXFP4Weight(jnp.asarray(packed), jnp.asarray(scales))
+    gs = jnp.array([0, m, 0], jnp.int32)
+    for x_split in ("pre", "stride") if dequant.startswith("split") else ("pre",):
+        cfg = GmmConfig(16, 32, 64, dequant=dequant, x_split=x_split)
+        y = moe_gmm(jnp.asarray(x, jnp.bfloat16), w, gs, backend="interpret", config=cfg,
+                    preferred_element_type=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(y), want)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        GmmConfig(dequant="nibble")
+    with pytest.raises(ValueError):
+        GmmConfig(x_split="gather")
+    assert dequant_variant("split_asm_sub") == (True, "asm_sub")
+    assert dequant_variant("interleave") == (False, "f16")
+    assert GmmConfig(16, 128, 256, dequant="split_asm", x_split="stride").name() == \
+        "bm16/None_bn128_bk256_w4_s3_split_asm_xstride"
+
+
+def test_benchmark_sweep_lowers_for_h200(monkeypatch):
+    """Every kernel the benchmark sweeps (each dequant variant and block config, MXFP4 decode at 64
+    and 512 tokens, bf16 decode and prefill at K3 shapes) lowers to Triton IR for an H200."""
+    from test_mla_kernels import _lower_check  # .tools/lower_check.py, its patch undone
+
+    lc, pcr, patched = _lower_check()
+    lower_cuda = lc.lower_cuda
+    monkeypatch.setattr(pcr.gpu_info_lib, "get_gpu_info", patched)
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe_gmm.py"
+    spec = importlib.util.spec_from_file_location("_bench_moe_gmm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert {c.dequant for c in bench.DECODE_SWEEP} == set(DEQUANT_VARIANTS) - {"interleave_bf16"}
+    assert bench.lower_check(lower_cuda, log=lambda s: None) == []
+    # the fused gate/up with a PTX variant too
+    sd = jax.ShapeDtypeStruct
+    w = MXFP4Weight(sd((896, 384, 1792), jnp.uint8), sd((896, 384, 112), jnp.uint8))
+    cfg = GmmConfig(16, 128, 256, num_stages=4, dequant="split_asm_sub")
+    lower_cuda(lambda a, b, c, d: moe_gmm_glu(a, b, c, d, activation="situ", backend="pallas",
+                                              config=cfg),
+               sd((1024, 3584), jnp.bfloat16), w, w, sd((896,), jnp.int32))
 
 
 def test_moe_gmm_errors():

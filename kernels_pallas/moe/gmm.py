@@ -14,10 +14,36 @@ expert's weights are never read: at decode, the cost is streaming the weights of
 received tokens. A tile with few rows (the tail of a group) runs a smaller `block_m_small` row block
 so prefill does not pay a full block_m of padding per expert.
 
-MXFP4 in the kernel: each E2M1 nibble is placed into the bits of an fp16 (sign -> bit 15, the three
-magnitude bits -> bits 9-11), which is exactly value * 2^-14 including the subnormal 0.5, then
-multiplied by the E8M0 scale 2^(s-127) (built by shifting s into an fp32 exponent; s = 0 flushes to
-zero) and rounded to the activation dtype (exact). The 2^14 is applied once to the fp32 accumulator.
+MXFP4 in the kernel: every dequantisation variant (`GmmConfig.dequant`) produces the exact weight
+times 2^-14 in the activation dtype; the 2^14 is applied once to the fp32 accumulator.
+  "interleave" (the first version): each E2M1 nibble is placed into the bits of an fp16 (sign -> bit
+    15, the three magnitude bits -> bits 9-11: exactly value * 2^-14, the subnormal 0.5 included),
+    widened to fp32, multiplied by the E8M0 scale 2^(s-127) (s shifted into an fp32 exponent; s = 0
+    flushes to zero), rounded to the activation dtype (exact), and the low/high nibbles interleaved
+    back into columns 2j, 2j+1 (join + reshape). Exact for scale bytes >= 16.
+  "split*" (no interleave): x's even and odd columns are separated (outside the kernel, one small XLA
+    transpose of x, or by strided loads: `x_split="stride"`), so out = x_even @ W_lo^T + x_odd @
+    W_hi^T: two dots of K = block_k / 2 on the low and high nibbles in the packed tile's own layout.
+  "*_bf16" (no fp16 -> fp32 -> bf16 conversions): the magnitude bits go to bf16 bits 6-8 (value *
+    2^-126, the 0.5 a bf16 subnormal) and m + min(m, 0x80) lifts that to value * 2^-125 with every
+    value normal; then one bf16 multiply by 2^(s-16) (exponent field s + 111, built on the small
+    [block_n, block_k / 32] scale tile). Exact for scale bytes 16..143 (2^-111..2^16: real weights sit
+    near 127) and all-zero groups (s = 0); bytes above 143 give inf/nan (loud, not silently wrong).
+  "split_asm": the "split_bf16" bits from inline PTX that treats two nibbles per 32-bit op (prmt
+    spreads 2 bytes into the high bytes of the two 16-bit halves; min.u16x2 does the lift). CUDA
+    sm_90+ only; the interpreter (which cannot run PTX) computes the same bits with the jnp code.
+  "split_asm_sub": as "split_asm" without the lift (value * 2^-126, factor 2^(s-15), scale bytes
+    16..142): it relies on the bf16x2 multiply taking the subnormal 0.5 exactly, as NVIDIA GPUs do
+    (the CPU flushes it, so the interpreter runs the "split_asm" bits instead); the benchmark checks
+    every byte bit-exactly on the device.
+Triton notes (upstream Triton 3.6 compiled for sm_90 on CPU, SASS of the K loop, decode tile 16 x 128
+x 256, per dequantised weight): interleave 9.5 instructions (3.8 on the integer pipe), split 8.7,
+split_bf16 7.9, split_asm 5.3, split_asm_sub 4.0. The join + reshape and the scale reshape are
+absorbed by Triton's linear layouts (no shared-memory round trip: the dequantised tile is produced
+in the dot-operand layout), so the cost is the per-element integer work, which Triton issues once per
+element (only the PTX variants process two nibbles per instruction). A per-32-column-group loop with
+[block_n, 1] scale columns (a variant tried) was slower: 13 instructions, with a shared-memory round
+trip per group.
 """
 from __future__ import annotations
 
@@ -32,7 +58,27 @@ from .._backend import resolve_backend, triton_params
 from . import mxfp4
 from .reference import MXFP4Weight, glu, is_mxfp4, moe_gmm_glu_reference, moe_gmm_reference
 
-_F16_SHIFT = 2.0 ** 14  # nibble-as-fp16 is value * 2^-14
+_F16_SHIFT = 2.0 ** 14  # every dequant variant yields value * 2^(s-127) * 2^-14
+_BF16_SCALE_BIAS = 125 - 14  # scale byte s -> bf16 exponent field of 2^(s-16)
+_BF16_MAX_SCALE = 254 - _BF16_SCALE_BIAS  # 143: the largest scale byte the bf16 path keeps exact
+
+# MXFP4 dequantisation variants (GmmConfig.dequant); see the module docstring.
+DEQUANT_VARIANTS = ("interleave", "interleave_bf16", "split", "split_bf16", "split_asm",
+                    "split_asm_sub")
+X_SPLITS = ("pre", "stride")
+
+
+def dequant_variant(name: str):
+    """(split, bits) of a `GmmConfig.dequant` name; bits: "f16" | "bf16" | "asm" | "asm_sub" (how
+    a nibble becomes a number: `_nibble_bits`, `_nibble_asm`)."""
+    if name not in DEQUANT_VARIANTS:
+        raise ValueError(f"dequant={name!r} is not one of {DEQUANT_VARIANTS}")
+    bits = "f16"
+    for b in ("bf16", "asm_sub", "asm"):
+        if name.endswith(b):
+            bits = b
+            break
+    return name.startswith("split"), bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +89,23 @@ class GmmConfig:
     block_m_small: int | None = None  # row block for tiles with <= this many rows (None: off)
     num_warps: int = 4
     num_stages: int = 3
+    dequant: str = "interleave"  # MXFP4 only: one of DEQUANT_VARIANTS ("split_asm*": CUDA only)
+    x_split: str = "pre"  # split variants: x's even/odd columns gathered "pre" kernel or "stride"
+
+    def __post_init__(self):
+        dequant_variant(self.dequant)
+        if self.x_split not in X_SPLITS:
+            raise ValueError(f"x_split={self.x_split!r} is not one of {X_SPLITS}")
+
+    def name(self) -> str:
+        """Short label: bm/small, bn, bk, warps, stages (+ MXFP4 dequant options when not default)."""
+        s = (f"bm{self.block_m}/{self.block_m_small}_bn{self.block_n}_bk{self.block_k}"
+             f"_w{self.num_warps}_s{self.num_stages}")
+        if self.dequant != "interleave":
+            s += f"_{self.dequant}"
+            if self.x_split != "pre" and self.dequant.startswith("split"):
+                s += f"_x{self.x_split}"
+        return s
 
     def smem_bytes(self, x_itemsize: int, quant: bool, glu_: bool = False) -> int:
         """Shared memory the software pipeline asks for (inputs of one stage x num_stages)."""
@@ -106,20 +169,118 @@ def tile_metadata(group_sizes, m: int, block_m: int):
                       jnp.where(valid, end, 0)]).astype(jnp.int32)
 
 
-def _dequant_tile(pb, sb, dtype):
-    """packed [bn, bk/2] uint8 + scales [bn, bk/32] uint8 -> [bn, bk] `dtype`, times 2^-14."""
-    bn, half = pb.shape
-    bk = half * 2
+def _nibble_bits(pb, bits: str):
+    """packed bytes -> (low, high) nibbles as fp bit patterns, same shape: "f16" -> value * 2^-14
+    in fp16 (the 0.5 an fp16 subnormal); "bf16" -> value * 2^-125 in bf16, all normal (exact)."""
     b = pb.astype(jnp.int32)
-    lo = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
-    hi = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
-    lo = jax.lax.bitcast_convert_type(lo.astype(jnp.uint16), jnp.float16)
-    hi = jax.lax.bitcast_convert_type(hi.astype(jnp.uint16), jnp.float16)
-    v = jnp.stack([lo, hi], axis=-1).reshape(bn, bk).astype(jnp.float32)  # column 2j, 2j+1
+    if bits == "f16":
+        lo = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
+        hi = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
+        return tuple(jax.lax.bitcast_convert_type(v.astype(jnp.uint16), jnp.float16)
+                     for v in (lo, hi))
+    out = []
+    for mag, sign in ((b << 6) & 0x01C0, (b << 12) & 0x8000), ((b << 2) & 0x01C0, (b << 8) & 0x8000):
+        # mag = magnitude bits at bf16 bits 6-8 (value * 2^-126, 0.5 subnormal); adding
+        # min(mag, 0x80) gives value * 2^-125 in bf16 with the 0.5 normal: 0 -> 0, 0x40 -> 0x80,
+        # mag >= 0x80 -> mag + 0x80 (exponent field + 1).
+        out.append(jax.lax.bitcast_convert_type(
+            (mag + jnp.minimum(mag, 0x80) + sign).astype(jnp.uint16), jnp.bfloat16))
+    return tuple(out)
+
+
+def _scale_factor(sb, enc: str):
+    """E8M0 bytes -> the factor that takes the `enc` nibble numbers to value * 2^(s-127) * 2^-14.
+
+    "f16" (nibble = value * 2^-14): 2^(s-127) in fp32, s = 0 -> 0. "bf16" (value * 2^-125): 2^(s-16)
+    in bf16 (exponent field s + 111; s > 143 -> inf). "bf16_sub" (value * 2^-126): 2^(s-15) in bf16
+    (field s + 112; s > 142 -> inf)."""
     s = sb.astype(jnp.int32)
-    sf = jax.lax.bitcast_convert_type(s << 23, jnp.float32)  # 2^(s-127); s = 0 -> 0
-    sf = jnp.broadcast_to(sf[:, :, None], (bn, bk // mxfp4.GROUP, mxfp4.GROUP)).reshape(bn, bk)
+    if enc == "f16":
+        return jax.lax.bitcast_convert_type(s << 23, jnp.float32)
+    e = jnp.minimum(s + _BF16_SCALE_BIAS + (enc == "bf16_sub"), 255)
+    return jax.lax.bitcast_convert_type((e << 7).astype(jnp.uint16), jnp.bfloat16)
+
+
+# Inline PTX for the "split_asm*" variants: 4 packed bytes (one 32-bit register, $2) -> the 4 bf16
+# of their low (or high) nibbles ($0, $1: two per register). prmt spreads bytes 0,1 (then 2,3) into
+# the high byte of each 16-bit half, so each 32-bit op treats two nibbles. One asm per nibble: the
+# Pallas lowering of jax 0.11.2 returns only one result of a multi-result inline asm.
+# "normal": value * 2^-125, the bits of `_nibble_bits(.., "bf16")` (min.u16x2 lifts the magnitude
+# 0x40 to 0x80 and adds 0x80 above it; sm_90+). "sub": value * 2^-126 (0.5 a bf16 subnormal, which
+# the bf16 multiply by the scale takes exactly on NVIDIA GPUs).
+def _asm_nibble(enc: str, half: str, out: str) -> str:
+    """PTX: t (two bytes in the high bytes of its 16-bit halves) -> `out`, two bf16 of the low (or
+    high) nibbles. s: sign at bit 15, m: magnitude at bits 6-8 (value * 2^-126)."""
+    if enc == "sub" and half == "lo":  # ((t << 4) | (t >> 2)) keeps sign and magnitude apart
+        return (f"shl.b32 s, t, 4;\nshr.b32 m, t, 2;\nor.b32 s, s, m;\n"
+                f"and.b32 {out}, s, 0x81C081C0;\n")
+    sign = "shl.b32 s, t, 4;\nand.b32 s, s, 0x80008000;\n" if half == "lo" else \
+        "and.b32 s, t, 0x80008000;\n"
+    body = sign + f"shr.b32 m, t, {2 if half == 'lo' else 6};\nand.b32 m, m, 0x01C001C0;\n"
+    if enc == "sub":
+        return body + f"or.b32 {out}, s, m;\n"
+    return body + f"min.u16x2 n, m, c;\nadd.u32 m, m, n;\nadd.u32 {out}, m, s;\n"
+
+
+def _nibble_asm(pb, sub: bool):
+    """`_nibble_bits` for bf16 as inline PTX (CUDA only): (low, high) nibbles of packed bytes."""
+    from jax.experimental.pallas import triton as plgpu
+
+    enc = "sub" if sub else "normal"
+    out = []
+    for half in ("lo", "hi"):
+        asm = ("{\n.reg .b32 t, s, m, n, c;\nmov.b32 c, 0x00800080;\n"
+               "prmt.b32 t, $2, 0, 0x1404;\n" + _asm_nibble(enc, half, "$0")
+               + "prmt.b32 t, $2, 0, 0x3424;\n" + _asm_nibble(enc, half, "$1") + "}")
+        [v] = plgpu.elementwise_inline_asm(
+            asm, args=[pb], constraints="=r,=r,r", pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(pb.shape, jnp.bfloat16)])
+        out.append(v)
+    return tuple(out)
+
+
+def _scaled(v, sf, bits: str, dtype):
+    """v [bn, w] nibble numbers times the factor sf [bn, w], in `dtype`."""
+    if bits == "f16":
+        return (v.astype(jnp.float32) * sf).astype(dtype)
     return (v * sf).astype(dtype)
+
+
+def _expand_groups(sf, width: int):
+    """[bn, g] -> [bn, g * width]: each group's factor repeated over its `width` columns (in Triton
+    a broadcast + reshape that the layout absorbs: no data movement, see the module docstring)."""
+    bn, g = sf.shape
+    return jnp.broadcast_to(sf[:, :, None], (bn, g, width)).reshape(bn, g * width)
+
+
+def _dequant_tile(pb, sb, dtype, bits: str = "f16"):
+    """packed [bn, bk/2] uint8 + scales [bn, bk/32] uint8 -> [bn, bk] `dtype`, times 2^-14
+    (columns interleaved: the "interleave" / "interleave_bf16" variants)."""
+    bn, half = pb.shape
+    lo, hi = _nibble_bits(pb, bits)
+    if bits == "f16":
+        lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
+    v = jnp.stack([lo, hi], axis=-1).reshape(bn, 2 * half)  # column 2j, 2j+1
+    sf = _expand_groups(_scale_factor(sb, bits), mxfp4.GROUP)
+    return (v * sf).astype(dtype)
+
+
+def _dequant_split(pb, sb, dtype, bits: str = "f16", use_asm: bool = False):
+    """packed [bn, w] uint8 + scales [bn, w/16] -> (low, high) nibble weights [bn, w] in `dtype`,
+    times 2^-14: weight columns 2j (low) and 2j+1 (high).
+
+    bits "asm" / "asm_sub" use inline PTX when `use_asm` (the GPU), else the "bf16" code, whose
+    result is the same bits (the interpreter cannot run PTX)."""
+    enc = "f16" if bits == "f16" else "bf16"
+    if bits.startswith("asm") and use_asm:
+        sub = bits == "asm_sub"
+        lo, hi = _nibble_asm(pb, sub)
+        enc = "bf16_sub" if sub else "bf16"
+    else:
+        lo, hi = _nibble_bits(pb, "f16" if bits == "f16" else "bf16")
+    sf = _expand_groups(_scale_factor(sb, enc), mxfp4.GROUP // 2)
+    b = "f16" if enc == "f16" else "bf16"
+    return _scaled(lo, sf, b, dtype), _scaled(hi, sf, b, dtype)
 
 
 def _load(ref, mask):
@@ -131,12 +292,14 @@ def _load(ref, mask):
 
 
 def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count: int, quant: bool,
-                n_w: int, epilogue, cdt, precision):
+                n_w: int, epilogue, cdt, precision, use_asm: bool):
     from jax.experimental.pallas import triton as plgpu
 
     w_refs = refs[:-1]
     o_ref = refs[-1]
     bn, bk = cfg.block_n, cfg.block_k
+    split, bits = dequant_variant(cfg.dequant) if quant else (False, "f16")
+    half, hk, ng = bk // 2, k // 2, bk // mxfp4.GROUP  # per K block: packed columns, scale groups
     nb = pl.program_id(0)
     t = pl.program_id(1)
     grp = meta_ref[0, t]
@@ -147,6 +310,7 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
     col_ok = cols < n
     n_k = pl.cdiv(k, bk)
     k_ragged = k % bk != 0
+    edge = bool(n % bn) or k_ragged  # weight loads need masks
 
     def store(bm, val):
         rows = r0 + jnp.arange(bm, dtype=jnp.int32)
@@ -155,39 +319,63 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
             mask = mask & col_ok[None, :]
         plgpu.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], val.astype(o_ref.dtype), mask=mask)
 
+    def mm(xb, wb):
+        """x [bm, kk] . w [bn, kk]^T -> [bm, bn]."""
+        return plgpu.dot(xb, wb, trans_b=True, precision=precision)
+
     def compute(bm):
         rows = r0 + jnp.arange(bm, dtype=jnp.int32)
         row_ok = rows < r1
 
+        def load_x(c0, width, part=None):
+            """x columns [c0, c0 + width); part 0/1: of x's even/odd columns (c0 in half units)."""
+            limit = k
+            if part is None:
+                ref = x_ref.at[pl.ds(r0, bm), pl.ds(c0, width)]
+            elif cfg.x_split == "pre":  # x_ref is [2, M, K/2]
+                ref, limit = x_ref.at[jnp.int32(part), pl.ds(r0, bm), pl.ds(c0, width)], hk
+            else:  # every other column of x (index arrays: the interpreter has no strided loads)
+                idx = 2 * (c0 + jnp.arange(width, dtype=jnp.int32)) + part
+                ref, limit = x_ref.at[rows[:, None], idx[None, :]], hk
+            mask = row_ok[:, None]
+            if k_ragged:
+                mask = mask & (c0 + jnp.arange(width, dtype=jnp.int32) < limit)[None, :]
+            return plgpu.load(ref, mask=mask, other=0).astype(cdt)
+
+        def wmask(c0, width, limit):
+            if not edge:
+                return None
+            return col_ok[:, None] & (c0 + jnp.arange(width, dtype=jnp.int32) < limit)[None, :]
+
         def body(kb, accs):
             k0 = pl.multiple_of(kb * bk, bk)
-            xmask = row_ok[:, None]
-            if k_ragged:
-                kcols = k0 + jnp.arange(bk, dtype=jnp.int32)
-                xmask = xmask & (kcols < k)[None, :]
-            xb = plgpu.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=xmask, other=0)
-            xb = xb.astype(cdt)
+            h0 = pl.multiple_of(kb * half, half)
+            s0 = kb * ng
+            if not quant:
+                xb = load_x(k0, bk)
+                out = []
+                for w_ref, acc in zip(w_refs, accs):
+                    m_ = None
+                    if edge:
+                        m_ = (k0 + jnp.arange(bk) < k)[:, None] & col_ok[None, :]
+                    wb = _load(w_ref.at[grp, pl.ds(k0, bk), pl.ds(n0, bn)], m_).astype(cdt)
+                    out.append(acc + plgpu.dot(xb, wb, precision=precision))
+                return tuple(out)
+            if split:  # x's even/odd columns against the low/high nibbles, as loaded
+                xe, xo = load_x(h0, half, 0), load_x(h0, half, 1)
+            else:
+                xb = load_x(k0, bk)
             out = []
             for i, acc in enumerate(accs):
-                if quant:
-                    p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
-                    pmask = smask = None
-                    if n % bn or k_ragged:
-                        pmask = col_ok[:, None] & (k0 // 2 + jnp.arange(bk // 2) < k // 2)[None, :]
-                        smask = col_ok[:, None] & (
-                            k0 // 32 + jnp.arange(bk // 32) < k // 32)[None, :]
-                    pb = _load(p_ref.at[grp, pl.ds(n0, bn), pl.ds(k0 // 2, bk // 2)], pmask)
-                    sb = _load(s_ref.at[grp, pl.ds(n0, bn), pl.ds(k0 // 32, bk // 32)], smask)
-                    wb = _dequant_tile(pb, sb, cdt)
-                    acc = acc + plgpu.dot(xb, wb, trans_b=True, precision=precision)
+                p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
+                pb = _load(p_ref.at[grp, pl.ds(n0, bn), pl.ds(h0, half)], wmask(h0, half, hk))
+                sb = _load(s_ref.at[grp, pl.ds(n0, bn), pl.ds(s0, ng)],
+                           wmask(s0, ng, k // mxfp4.GROUP))
+                if split:
+                    lo, hi = _dequant_split(pb, sb, cdt, bits, use_asm)
+                    out.append(acc + mm(xe, lo) + mm(xo, hi))
                 else:
-                    w_ref = w_refs[i]
-                    wmask = None
-                    if n % bn or k_ragged:
-                        wmask = (k0 + jnp.arange(bk) < k)[:, None] & col_ok[None, :]
-                    wb = _load(w_ref.at[grp, pl.ds(k0, bk), pl.ds(n0, bn)], wmask).astype(cdt)
-                    acc = acc + plgpu.dot(xb, wb, precision=precision)
-                out.append(acc)
+                    out.append(acc + mm(xb, _dequant_tile(pb, sb, cdt, bits)))
             return tuple(out)
 
         accs = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(n_w))
@@ -248,13 +436,17 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
     cfg = config or default_config(m, g, k, n, quant, len(ws) > 1)
     if quant and (cfg.block_k % mxfp4.GROUP or k % mxfp4.GROUP):
         raise ValueError(f"MXFP4 needs block_k and K multiples of {mxfp4.GROUP}")
+    x_in = x
+    if quant and dequant_variant(cfg.dequant)[0] and cfg.x_split == "pre":
+        x_in = jnp.moveaxis(x.reshape(m, k // 2, 2), 2, 0)  # [2, M, K/2]: even, odd columns
     meta = tile_metadata(group_sizes, m, cfg.block_m)
     n_tiles = meta.shape[1]
     flat_w = []
     for w in ws:
         flat_w += [w.packed, w.scales] if quant else [w]
     kernel = functools.partial(_gmm_kernel, cfg=cfg, k=k, n=n, g_count=g, quant=quant,
-                               n_w=len(ws), epilogue=epilogue, cdt=cdt, precision=precision)
+                               n_w=len(ws), epilogue=epilogue, cdt=cdt, precision=precision,
+                               use_asm=not interpret)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -262,7 +454,7 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="moe_gmm",
-    )(meta, x, *flat_w)
+    )(meta, x_in, *flat_w)
 
 
 def moe_gmm(x, w, group_sizes, *, backend: str | None = None, preferred_element_type=None,
