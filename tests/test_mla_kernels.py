@@ -180,6 +180,28 @@ def test_split_policy_and_config():
             resolve_config(q, cache, jnp.bfloat16, pt, **bad)
 
 
+def test_default_config_is_the_measured_winner():
+    """bf16, 16 rows: the H200 sweep's winner (64-key blocks, 4 warps, 3 stages, page load,
+    "waves") with the split counts it ran at (benchmarks/results_mla.md, 2026-11-29); 16-token
+    pages: 64-key "token" loads with 2 stages; fp8, fp32 and 32-row blocks keep their configs."""
+    from kernels_pallas.mla.decode import default_config, resolve_config
+
+    pool = (131072, 64, 576)
+    for (B, ctx), splits in {(16, 32768): 8, (64, 131072): 2, (1, 131072): 128}.items():
+        c = resolve_config((B, 1, 16, 576), pool, jnp.bfloat16, (B, ctx // 64), num_sms=132)
+        assert c == dict(block_h=16, block_k=64, num_warps=4, num_stages=3, num_splits=splits,
+                         load="page", fp8_upcast="mixed"), (B, ctx, c)
+        c8 = resolve_config((B, 1, 16, 576), pool, jnp.float8_e4m3fn, (B, ctx // 64),
+                            num_sms=132)
+        assert (c8["block_k"], c8["num_warps"], c8["num_stages"], c8["fp8_upcast"]) == \
+            (64, 8, 3, "mixed")
+    c = resolve_config((16, 1, 12, 576), (100, 16, 576), jnp.bfloat16, (16, 2048), num_sms=132)
+    assert (c["block_k"], c["num_warps"], c["num_stages"], c["load"]) == (64, 4, 2, "token")
+    for dt, rows in ((jnp.float32, 16), (jnp.bfloat16, 32)):
+        c = default_config(8, rows, 65536, dt, 64, num_sms=132)
+        assert (c["block_k"], c["num_warps"], c["num_stages"]) == (32, 8, 3), (dt, rows)
+
+
 def _lower_check():
     """.tools/lower_check.py (lowers Pallas-Triton for CUDA on CPU with an H200 gpu_info); its
     import-time patch is undone here and re-applied per test through monkeypatch."""

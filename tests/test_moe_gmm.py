@@ -226,6 +226,58 @@ def test_config_validation():
         "bm16/None_bn128_bk256_w4_s3_split_asm_xstride"
 
 
+def test_default_config_by_platform():
+    """MXFP4 decode: inline PTX ("split_asm_sub", bk256) only on CUDA with bf16 activations, the
+    portable "split" (bk128) on ROCm, CPU and the interpreter; bf16 prefill 4 stages."""
+    from kernels_pallas.moe.gmm import default_config, kernel_platform
+
+    G, K, N = 896, 3584, 768
+    for tokens in (64, 512):
+        c = default_config(16 * tokens, G, K, N, True, platform="cuda")
+        assert (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, c.dequant) == \
+            (16, 128, 256, 4, 4, "split_asm_sub")
+        assert default_config(16 * tokens, G, K, N // 2, True, True, platform="cuda").dequant == \
+            "split_asm_sub"
+        for plat in ("rocm", "cpu", "interpret", "gpu"):
+            c = default_config(16 * tokens, G, K, N, True, platform=plat)
+            assert (c.dequant, c.block_k) == ("split", 128), plat
+        c = default_config(16 * tokens, G, K, N, True, platform="cuda", x_dtype=jnp.float32)
+        assert (c.dequant, c.block_k) == ("split", 256)
+    assert kernel_platform() == jax.devices()[0].platform == "cpu"   # the tests run on CPU
+    assert not default_config(1024, G, K, N, True).dequant.startswith("split_asm")
+    c = default_config(16 * 8192, G, K, N, False)
+    assert (c.block_m, c.block_m_small, c.block_n, c.block_k, c.num_warps, c.num_stages) == \
+        (128, 32, 256, 64, 8, 4)
+    assert default_config(16 * 8192, G, K, N, True).num_stages == 3        # MXFP4 prefill
+    assert default_config(16 * 8192, G, K, N // 2, False, True).num_stages == 3   # fused GLU
+
+    class _Client:
+        def __init__(self, version):
+            self.platform_version = version
+
+    class _Dev:
+        def __init__(self, version, kind):
+            self.platform, self.client, self.device_kind = "gpu", _Client(version), kind
+
+    assert kernel_platform(_Dev("cuda 13000", "NVIDIA H200")) == "cuda"
+    assert kernel_platform(_Dev("rocm 7.0", "AMD Instinct MI300X")) == "rocm"
+    assert kernel_platform(_Dev("<unknown>", "NVIDIA H200")) == "cuda"
+    assert kernel_platform(_Dev("<unknown>", "AMD Instinct MI300X")) == "gpu"
+
+
+def test_default_config_runs_in_interpret_mode():
+    """config=None on the interpreter at decode shapes (the "split" default), MXFP4 and GLU."""
+    rng = np.random.default_rng(31)
+    m, k, n, g = 12, 256, 64, 16
+    gs = jnp.asarray(_groups(rng, m, g, "random"))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w1, w3 = (_weights(rng, g, k, n, "mxfp4") for _ in range(2))
+    y = moe_gmm(x, w1, gs, backend="interpret")
+    assert _rel(y, moe_gmm(x, w1, gs, backend="reference")) < 1e-2
+    y = moe_gmm_glu(x, w1, w3, gs, backend="interpret")
+    assert _rel(y, moe_gmm_glu(x, w1, w3, gs, backend="reference")) < 2e-2
+
+
 def test_benchmark_sweep_lowers_for_h200(monkeypatch):
     """Every kernel the benchmark sweeps (each dequant variant and block config, MXFP4 decode at 64
     and 512 tokens, bf16 decode and prefill at K3 shapes) lowers to Triton IR for an H200."""

@@ -53,10 +53,12 @@ Shared memory (`smem_bytes`): per buffered stage block_k * 576 * itemsize, x max
 num_stages - 1), + the fp8 bf16 copies + q. For ROCm MI300X (64 KiB LDS) use block_k 32,
 num_stages 1-2, load "token" or "page".
 
-Measured on an H200 (benchmarks/results_mla.md, 2026-11-29, the "token" load, "fill" splits,
-"operand" upcast, 64-key blocks, 4 warps, 2 stages): 56-63% of copy bandwidth at 32K-128K with
-16 heads and B >= 16, 37% at B1 128K, fp8 slower than bf16. The current defaults were chosen
-from sm_90 compiles (see default_config), not yet from timings.
+Measured on an H200 (benchmarks/results_mla.md, 2026-11-29, 16 heads, Tq 1, 64-token pages; %
+of the torch copy bandwidth, 4.24 TB/s read + write, bytes counted = cache bytes read):
+first kernel ("token" load, "fill" splits, 64-key blocks, 4 warps, 2 stages) 59.8% / 69.1% /
+43.7% at B16 32K / B64 128K / B1 128K; the bf16 default now (64-key blocks, 4 warps, 3 stages,
+"page" load, "waves" splits) 79.9% / 103.0% / 45.0%. fp8 (best: the "mixed" default) 17.7% /
+19.5% / 13.8%: still slower in time than bf16. See default_config for what was not measured.
 """
 from __future__ import annotations
 
@@ -166,12 +168,22 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     """Block configuration for B sequences of `rows` = Tq * Hq query rows and a page table of
     `capacity` tokens: row block, key block, warps, stages, load mode, fp8 upcast, splits.
 
-    Chosen from compiling each candidate for sm_90 (Triton 3.9 on CPU: shared memory,
-    registers, which loads are pipelined), not yet from H200 timings: bf16 rows <= 32: 32-key
-    blocks, 8 warps, 3 stages (two tiles in flight, ~93 KiB, ~100 registers: two programs per
-    SM); fp8: 64-key blocks, 8 warps, 3 stages, "mixed" upcast (~166 KiB, one program per SM,
-    two fp8 tiles in flight); 64-row blocks (many heads): 32-key blocks, 8 warps, 2 stages
-    (wgmma; unchanged). benchmarks/bench_mla_decode.py sweeps these against alternatives.
+    bf16 cache, rows <= 16 (Tq * Hq <= 16: e.g. 16 or 12 heads at Tq 1): 64-key blocks, 4 warps,
+    3 stages, "page" load, "waves" splits: the winner of the H200 sweep of 2026-11-29
+    (benchmarks/results_mla.md; % of torch copy bandwidth, 4.24 TB/s) at every shape measured:
+    B16 32K 79.9% (178.4 us; the previous default, 32-key blocks / 8 warps / 3 stages: 60.2%),
+    B64 128K 103.0% (2212.8 us, reads only against a read + write copy; previous 73.9%),
+    B1 128K 45.0% (79.2 us; previous 25.9%). When page_size is not a multiple of 64 (the
+    engine's default 16-token pages) the 64-key blocks use the "token" load, whose tile load is
+    not pipelined, with 2 stages: the "old+waves" configuration of that sweep (74.0% / 99.7% /
+    43.2%).
+    Not measured, so still chosen from sm_90 compiles (Triton on CPU: shared memory, registers,
+    which loads are pipelined): bf16 rows 17-32 and fp32 caches: 32-key blocks, 8 warps, 3 stages
+    (64-key blocks at 3 stages would not fit an fp32 tile pair in 227 KiB); 64-row blocks (many
+    heads): 32-key blocks, 8 warps, 2 stages.
+    fp8: 64-key blocks, 8 warps, 3 stages, "mixed" upcast (~166 KiB, one program per SM): the
+    fastest fp8 configuration of the sweep (17.7% / 19.5% at B16 32K / B64 128K; at B1 128K
+    13.8% vs 13.9% for the first kernel's), but still slower in time than bf16.
     """
     itemsize = jnp.dtype(dtype).itemsize if dtype is not None else 2
     block_h = min(max(16, _next_pow2(rows)), 64)
@@ -181,6 +193,9 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
         block_k, num_warps, num_stages = 32, 8, 2
     elif itemsize == 1:
         block_k, num_warps, num_stages = (64 if block_h == 16 else 32), 8, 3
+    elif itemsize == 2 and block_h == 16:       # measured (see above)
+        paged = page_size is None or page_size % 64 == 0
+        block_k, num_warps, num_stages = 64, 4, (3 if paged else 2)
     else:
         block_k, num_warps, num_stages = 32, 8, 3
     sms = num_sms or _num_sms()

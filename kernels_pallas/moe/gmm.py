@@ -83,6 +83,15 @@ def dequant_variant(name: str):
 
 @dataclasses.dataclass(frozen=True)
 class GmmConfig:
+    """Static configuration of one moe_gmm kernel: row / column / K blocks, the smaller row block
+    for short tiles, warps, software-pipeline stages, and for MXFP4 weights the dequantisation
+    variant and how x's even/odd columns are separated (see the module docstring).
+
+    The PTX variants ("split_asm", "split_asm_sub") exist only on NVIDIA GPUs (inline PTX; there
+    is no ROCm equivalent, and Pallas' Triton lowering is also used on AMD). A config that names
+    one is taken as given: compiling it for ROCm fails. `default_config` picks one only when
+    `kernel_platform()` (or its `platform` argument) says the kernel runs on a CUDA device.
+    """
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
@@ -115,16 +124,65 @@ class GmmConfig:
         return per_stage * max(self.num_stages - 1, 1)
 
 
-def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = False) -> GmmConfig:
+def kernel_platform(device=None) -> str:
+    """Where a non-interpreted Pallas kernel runs: "cuda" (NVIDIA) or "rocm" (AMD) for a GPU,
+    else the device's platform ("cpu", "tpu", ...). device: default jax.devices()[0], the device
+    that jit places work on by default. jaxlib names both GPU kinds "gpu"; the client's
+    platform_version says which (as jax's own dlpack and test utilities read it), else an
+    "NVIDIA ..." device_kind means CUDA; a GPU neither names stays "gpu" (portable choices)."""
+    dev = jax.devices()[0] if device is None else device
+    plat = str(dev.platform).lower()
+    if plat == "gpu":
+        ver = str(getattr(dev.client, "platform_version", "")).lower()
+        for name in ("cuda", "rocm"):
+            if name in ver:
+                return name
+        if str(getattr(dev, "device_kind", "")).lower().startswith("nvidia"):
+            return "cuda"
+    return plat
+
+
+def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = False, *,
+                   platform: str | None = None, x_dtype=jnp.bfloat16) -> GmmConfig:
     """Block sizes by regime: rows per group decides decode (weight streaming) vs prefill.
 
+    platform: where the kernel will run, "cuda" | "rocm" | anything else (e.g. "cpu", or
+    "interpret" for the Pallas interpreter); None: `kernel_platform()`. moe_gmm / moe_gmm_glu pass
+    "interpret" for backend="interpret" and None otherwise. It decides only the MXFP4 decode
+    dequantisation (and its K block): "split_asm_sub" (inline PTX) on "cuda" with bf16
+    activations (x_dtype; the only case checked bit-exact on the device), the portable "split"
+    everywhere else, ROCm included.
+
     Measured on one H200 (2026-11-29, benchmarks/results_moe.md) at K3's TP8 gate+up slice
-    (896 experts, K 3584, N 768): the winners (or ties within noise) of the sweep there.
+    (896 experts, top-16, K 3584, N 768; torch._grouped_mm on the same inputs in the same run;
+    % of the torch copy bandwidth, 4.25 TB/s read + write, in packed weight bytes):
+    * MXFP4 decode (< 24 rows per expert): bm16 bn128 bk256 w4 s4. At 64 tokens: "split_asm_sub"
+      0.399 ms, 52% (torch on the dequantised bf16 weights 1.020 ms), "split_asm" 40%, "split"
+      29%, "interleave" (the previous default, bk128) 24%; at 512 tokens "split_asm_sub" 0.613 ms,
+      50% ("split" not run there). Every variant run was bit-exact on the device. The 70% target is
+      missed. "split_asm_sub" needs scale bytes <= 142 (larger ones give inf, not a silent
+      error; real weights sit near 127). Off CUDA: "split" with bk128, the previous default's K
+      block (12.5 KiB of inputs a pipeline stage, <= 50 KiB with four buffers: inside MI300X's
+      64 KiB LDS; bk256 takes 25 KiB a stage); not measured on any GPU in this form.
+    * bf16 decode: bm16 bn128 bk128 w4 s4, unchanged (0.785 ms at 64 tokens in the earlier run of
+      that day). The benchmark's bf16 decode configs in this run: bn256 w8 s4 at 64 tokens
+      0.783 ms (1.30x torch), bm32/16 at 512 tokens 1.159 ms (1.26x), both ~100% of copy.
+    * bf16 prefill (>= 96 rows per expert, N >= 256, not fused): bm128/32 bn256 bk64 w8 s4,
+      8192 tokens 1.874 ms vs torch 1.905 ms (1.02x); the same blocks with s3 (the previous
+      default) 1.933 ms (0.99x) in the same run, so the gain is marginal, within run-to-run noise.
+    * Not measured with these choices: the middle regime, MXFP4 prefill (still "interleave"),
+      the fused gate/up (moe_gmm_glu, which takes the same decode choice), ROCm.
     """
     rows_per_group = m / max(g, 1)
     bn = 128 if n >= 128 else max(16, pl.next_power_of_2(n))
     if rows_per_group < 24:  # decode: few rows per expert; stream weights
-        return GmmConfig(block_m=16, block_n=bn, block_k=_fit_k(128, k), num_warps=4, num_stages=4)
+        if not quant:
+            return GmmConfig(block_m=16, block_n=bn, block_k=_fit_k(128, k), num_warps=4,
+                             num_stages=4)
+        on_cuda = (platform or kernel_platform()) == "cuda"
+        asm = on_cuda and jnp.dtype(x_dtype) == jnp.bfloat16
+        return GmmConfig(block_m=16, block_n=bn, block_k=_fit_k(256 if on_cuda else 128, k),
+                         num_warps=4, num_stages=4, dequant="split_asm_sub" if asm else "split")
     if rows_per_group < 96:
         return GmmConfig(block_m=64, block_n=bn, block_k=_fit_k(64, k), block_m_small=16,
                          num_warps=4, num_stages=4)
@@ -132,7 +190,7 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
         return GmmConfig(block_m=128, block_n=bn, block_k=_fit_k(64, k), block_m_small=32,
                          num_warps=4, num_stages=3)
     return GmmConfig(block_m=128, block_n=256, block_k=_fit_k(64, k), block_m_small=32,
-                     num_warps=8, num_stages=3)
+                     num_warps=8, num_stages=4)
 
 
 def _fit_k(bk: int, k: int) -> int:
@@ -433,7 +491,8 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
     cdt = x.dtype if quant else jnp.promote_types(x.dtype, ws[0].dtype)
     if precision is None and jnp.dtype(cdt) == jnp.float32:
         precision = jax.lax.Precision.HIGHEST
-    cfg = config or default_config(m, g, k, n, quant, len(ws) > 1)
+    cfg = config or default_config(m, g, k, n, quant, len(ws) > 1,
+                                   platform="interpret" if interpret else None, x_dtype=x.dtype)
     if quant and (cfg.block_k % mxfp4.GROUP or k % mxfp4.GROUP):
         raise ValueError(f"MXFP4 needs block_k and K multiples of {mxfp4.GROUP}")
     x_in = x
