@@ -44,17 +44,17 @@ MATMUL_SPAN = 80.0  # a sub-block whose decay spans more than this (natural log)
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
-    """Launch parameters of the five kernels (see module docstring)."""
+    """Launch parameters of the five kernels (see module docstring). The defaults are the best of
+    the sweep on one H200 (2026-11-29, benchmarks/results_kda.md)."""
     block_k_inter: int = 32
     block_v_state: int | None = None   # None: by occupancy (_pick_block_v)
     block_v_out: int = 64
-    num_warps_diag: int = 2
-    num_warps_inter: int = 4
+    num_warps_diag: int = 4
+    num_warps_inter: int = 2
     num_warps_wu: int = 4
     num_warps_state: int = 4
     num_stages_state: int = 2
     num_warps_out: int = 4
-    fused_intra: bool = True           # kernels 1-3 as one launch (see _fused_intra_kernel)
 
 
 def _is_pow2(n: int) -> bool:
@@ -215,8 +215,8 @@ def _inter_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, 
 # ----------------------------------------------------------------------------------------------
 # 3. W, U, Kg, exp(G_C)
 # ----------------------------------------------------------------------------------------------
-def _wu_kernel(len_ref, q_ref, k_ref, v_ref, G_ref, b_ref, rq_ref, rk_ref, t_ref,
-               w_ref, u_ref, kg_ref, qg_ref, ec_ref, *, scale, op_dtype, prec_mm):
+def _wu_kernel(len_ref, k_ref, v_ref, G_ref, b_ref, rk_ref, t_ref, w_ref, u_ref, kg_ref, ec_ref,
+               *, op_dtype, prec_mm):
     n = pl.program_id(0)
     valid = _valid_rows(len_ref[...], n * C, C)
     K, V = k_ref.shape[-1], v_ref.shape[-1]
@@ -232,161 +232,11 @@ def _wu_kernel(len_ref, q_ref, k_ref, v_ref, G_ref, b_ref, rq_ref, rk_ref, t_ref
         w_ref[:, cols] = _dot(T, (beta[:, None] * k * jnp.exp(G)).astype(op_dtype),
                               prec_mm).astype(w_ref.dtype)
         kg_ref[:, cols] = (k * jnp.exp(GC[None, :] - G)).astype(kg_ref.dtype)
-        q = _masked(q_ref, slice(None), cols, valid, rq_ref[...])
-        qg_ref[:, cols] = (q * jnp.exp(G) * scale).astype(qg_ref.dtype)
         ec_ref[cols] = jnp.exp(GC)
     for ct in range(max(V // tile, 1)):
         cols = slice(ct * tile, min((ct + 1) * tile, V))
         v = _masked(v_ref, slice(None), cols, valid)
         u_ref[:, cols] = _dot(T, (beta[:, None] * v).astype(op_dtype), prec_mm).astype(u_ref.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# 1-3 fused: everything per chunk in one launch (ChunkConfig.fused_intra)
-# ----------------------------------------------------------------------------------------------
-def _fused_intra_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
-                        w_ref, u_ref, kg_ref, qg_ref, a_ref, ec_ref, *,
-                        scale, l2norm, safe_gate, block_k, op_dtype, prec_mm):
-    """Kernels 1-3 in one program per chunk, in three passes over key tiles of `block_k` columns
-    (so only [16, block_k] tiles are live): (1) row norms and each diagonal block's decay span,
-    (2) G, the 16x16 blocks (off-diagonal, and diagonal by matmul), Qg, Kg, exp(G_C), (3) after
-    the fp32 inverse, W and U. Diagonal blocks whose span is too wide for the matmul are redone
-    exactly from full rows. Inputs stay in L2 between passes; G is never written to memory."""
-    n = pl.program_id(0)
-    length = len_ref[...]
-    K, V = k_ref.shape[-1], v_ref.shape[-1]
-    ri = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 0)
-    ci = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 1)
-    rvec = jax.lax.broadcasted_iota(jnp.int32, (SB,), 0)
-    eye = (ri == ci).astype(F32)
-    valid = [_valid_rows(length, n * C + i * SB, SB) for i in range(NSB)]
-    rows = [slice(i * SB, (i + 1) * SB) for i in range(NSB)]
-    n_kt = K // block_k
-    kcols = [slice(t * block_k, (t + 1) * block_k) for t in range(n_kt)]
-    g_tile = lambda i, cols: jnp.where(valid[i][:, None], g_ref[rows[i], cols], 0.0)
-
-    # ---- pass 1: inverse row norms, decay span of each diagonal block ----
-    ssq_q = [jnp.zeros((SB,), F32) for _ in range(NSB)]
-    ssq_k = [jnp.zeros((SB,), F32) for _ in range(NSB)]
-    span = [jnp.float32(0.0) for _ in range(NSB)]
-    for cols in kcols:
-        for i in range(NSB):
-            if l2norm:
-                q = _masked(q_ref, rows[i], cols, valid[i])
-                k = _masked(k_ref, rows[i], cols, valid[i])
-                ssq_q[i] = ssq_q[i] + jnp.sum(q * q, axis=1)
-                ssq_k[i] = ssq_k[i] + jnp.sum(k * k, axis=1)
-            if not safe_gate:  # G_0 - G_15 = -(g_1 + ... + g_15), per key column
-                g = jnp.where(rvec[:, None] > 0, g_tile(i, cols), 0.0)
-                span[i] = jnp.maximum(span[i], jnp.max(-jnp.sum(g, axis=0)))
-    if l2norm:
-        rq = [jax.lax.rsqrt(x + 1e-6) for x in ssq_q]
-        rk = [jax.lax.rsqrt(x + 1e-6) for x in ssq_k]
-    else:
-        rq = rk = [None] * NSB
-
-    # ---- pass 2: G per tile, all 16x16 blocks, Qg, Kg, exp(G_C) ----
-    z = jnp.zeros((SB, SB), F32)
-    Aq = {(i, j): z for i in range(NSB) for j in range(i + 1)}
-    Ak = dict(Aq)
-    for cols in kcols:
-        carry = jnp.zeros((block_k,), F32)
-        ks, Gs = [], []
-        for i in range(NSB):
-            g = g_tile(i, cols)
-            G = jnp.cumsum(g, axis=0) + carry[None, :]
-            G0 = (carry + _row(g, 0, SB))[None, :]        # G at block i's first row
-            carry = carry + jnp.sum(g, axis=0)
-            q = _masked(q_ref, rows[i], cols, valid[i], rq[i])
-            k = _masked(k_ref, rows[i], cols, valid[i], rk[i])
-            e = jnp.exp(G - G0)                             # <= 1
-            qe, ke = q * e, k * e
-            for j in range(i):                              # reference G0: both factors <= 1
-                kt = ks[j] * jnp.exp(G0 - Gs[j])
-                Aq[i, j] = Aq[i, j] + _dot(qe, kt, prec_mm, trans_b=True)
-                Ak[i, j] = Ak[i, j] + _dot(ke, kt, prec_mm, trans_b=True)
-            # diagonal by matmul; the clamp only guards blocks redone exactly below
-            kd = k * jnp.exp(jnp.minimum(G0 - G, MATMUL_SPAN))
-            Aq[i, i] = Aq[i, i] + _dot(qe, kd, prec_mm, trans_b=True)
-            Ak[i, i] = Ak[i, i] + _dot(ke, kd, prec_mm, trans_b=True)
-            qg_ref[rows[i], cols] = (q * jnp.exp(G) * scale).astype(qg_ref.dtype)
-            ks.append(k)
-            Gs.append(G)
-        for i in range(NSB):                                # carry is now G_C
-            kg_ref[rows[i], cols] = (ks[i] * jnp.exp(carry[None, :] - Gs[i])).astype(kg_ref.dtype)
-        ec_ref[cols] = jnp.exp(carry)
-
-    # ---- diagonal blocks whose decay spans too much for the matmul: exact, from full rows ----
-    if not safe_gate:
-        for i in range(NSB):
-            def exact(_, i=i):
-                carry = jnp.zeros((K,), F32)
-                for m in range(i):
-                    carry = carry + jnp.sum(g_tile(m, slice(None)), axis=0)
-                G = jnp.cumsum(g_tile(i, slice(None)), axis=0) + carry[None, :]
-                q = _masked(q_ref, rows[i], slice(None), valid[i], rq[i])
-                k = _masked(k_ref, rows[i], slice(None), valid[i], rk[i])
-
-                def col(j, acc):
-                    aq, ak = acc
-                    E = jnp.exp(jnp.minimum(G - _row(G, j, SB)[None, :], 0.0))
-                    kE = _row(k, j, SB)[None, :] * E
-                    aq = jnp.where(ci == j, jnp.sum(q * kE, axis=1)[:, None], aq)
-                    ak = jnp.where(ci == j, jnp.sum(k * kE, axis=1)[:, None], ak)
-                    return aq, ak
-                return jax.lax.fori_loop(0, SB, col, (z, z))
-            Aq[i, i], Ak[i, i] = jax.lax.cond(span[i] > MATMUL_SPAN, exact,
-                                              lambda _, i=i: (Aq[i, i], Ak[i, i]), None)
-
-    # ---- T = (I + L)^-1 in fp32 ----
-    beta = [jnp.where(valid[i], b_ref[rows[i]].astype(F32), 0.0) for i in range(NSB)]
-    L = {(i, j): Ak[i, j] * beta[i][:, None] for (i, j) in Ak if j < i}
-    Ld = [jnp.where(ri > ci, Ak[i, i] * beta[i][:, None], 0.0) for i in range(NSB)]
-
-    def fsub(r, Ts):
-        out = []
-        for Li, Ti in zip(Ld, Ts):
-            lr = _row(Li, r, SB)                             # L[r, :], zero at columns >= r
-            new = (rvec == r).astype(F32) - jnp.sum(lr[:, None] * Ti, axis=0)
-            out.append(jnp.where(ri == r, new[None, :], Ti))
-        return tuple(out)
-    T = dict(zip([(i, i) for i in range(NSB)], jax.lax.fori_loop(1, SB, fsub, (eye,) * NSB)))
-    for dlt in range(1, NSB):
-        for i in range(dlt, NSB):
-            j = i - dlt
-            acc = None
-            for m in range(j, i):
-                t = _dot(L[i, m], T[m, j], HIGHEST)
-                acc = t if acc is None else acc + t
-            T[i, j] = -_dot(T[i, i], acc, HIGHEST)
-    Tq = {ij: t.astype(op_dtype) for ij, t in T.items()}    # only the finished inverse rounded
-    for i in range(NSB):
-        for j in range(NSB):
-            a = Aq[i, j] * scale if j < i else (jnp.where(ri >= ci, Aq[i, i] * scale, 0.0)
-                                                if j == i else z)
-            a_ref[rows[i], j * SB:(j + 1) * SB] = a.astype(a_ref.dtype)
-
-    # ---- pass 3: W = T diag(beta) (K exp G), U = T diag(beta) V ----
-    for cols in kcols:
-        carry = jnp.zeros((block_k,), F32)
-        bk = []
-        for j in range(NSB):
-            g = g_tile(j, cols)
-            G = jnp.cumsum(g, axis=0) + carry[None, :]
-            carry = carry + jnp.sum(g, axis=0)
-            k = _masked(k_ref, rows[j], cols, valid[j], rk[j])
-            bk.append((beta[j][:, None] * k * jnp.exp(G)).astype(op_dtype))
-        for i in range(NSB):
-            w = sum(_dot(Tq[i, j], bk[j], prec_mm) for j in range(i + 1))
-            w_ref[rows[i], cols] = w.astype(w_ref.dtype)
-    bvt = min(block_k * 2, V)
-    for c0 in range(0, V, bvt):
-        cols = slice(c0, c0 + bvt)
-        bv = [(beta[j][:, None] * _masked(v_ref, rows[j], cols, valid[j])).astype(op_dtype)
-              for j in range(NSB)]
-        for i in range(NSB):
-            u = sum(_dot(Tq[i, j], bv[j], prec_mm) for j in range(i + 1))
-            u_ref[rows[i], cols] = u.astype(u_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,9 +261,13 @@ def _state_kernel(w_ref, u_ref, kg_ref, ec_ref, h0_ref, h_ref, vn_ref, ht_ref, *
 # ----------------------------------------------------------------------------------------------
 # 5. output
 # ----------------------------------------------------------------------------------------------
-def _out_kernel(len_ref, qg_ref, a_ref, h_ref, vn_ref, o_ref, *, prec_mm):
-    valid = _valid_rows(len_ref[...], pl.program_id(0) * C, C)
-    o = _dot(qg_ref[...], h_ref[...], prec_mm) + _dot(a_ref[...], vn_ref[...], prec_mm)
+def _out_kernel(len_ref, q_ref, G_ref, rq_ref, a_ref, h_ref, vn_ref, o_ref, *,
+                scale, op_dtype, prec_mm):
+    n = pl.program_id(0)
+    valid = _valid_rows(len_ref[...], n * C, C)
+    q = _masked(q_ref, slice(None), slice(None), valid, rq_ref[...])
+    qg = (q * jnp.exp(G_ref[...]) * scale).astype(op_dtype)
+    o = _dot(qg, h_ref[...], prec_mm) + _dot(a_ref[...], vn_ref[...], prec_mm)
     o_ref[...] = jnp.where(valid[:, None], o, 0.0).astype(o_ref.dtype)
 
 
@@ -467,45 +321,22 @@ def _launch_inter(lens, q, k, G, beta, rq, rk, aqd, akd, *, scale, op_dtype, pre
     )(lens, q, k, G, beta, rq, rk, aqd, akd)
 
 
-def _launch_wu(lens, q, k, v, G, beta, rq, rk, Tinv, *, scale, op_dtype, prec_mm, cfg,
-               interpret):
+def _launch_wu(lens, k, v, G, beta, rk, Tinv, *, op_dtype, prec_mm, cfg, interpret):
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
     tok, per, vec, beta_spec, length = _chunk_specs()
     sds = jax.ShapeDtypeStruct
     return pl.pallas_call(
-        functools.partial(_wu_kernel, scale=scale, op_dtype=op_dtype, prec_mm=prec_mm),
+        functools.partial(_wu_kernel, op_dtype=op_dtype, prec_mm=prec_mm),
         grid=(N, B, H),
-        in_specs=[length, tok(K), tok(K), tok(V), tok(K), beta_spec, vec, vec, per(C)],
-        out_specs=[per(K), per(V), per(K), per(K),
+        in_specs=[length, tok(K), tok(V), tok(K), beta_spec, vec, per(C)],
+        out_specs=[per(K), per(V), per(K),
                    pl.BlockSpec((None, None, None, K), lambda n, b, h: (b, h, n, 0))],
         out_shape=(sds((B, H, Tp, K), op_dtype), sds((B, H, Tp, V), op_dtype),
-                   sds((B, H, Tp, K), op_dtype), sds((B, H, Tp, K), op_dtype),
-                   sds((B, H, N, K), F32)),
+                   sds((B, H, Tp, K), op_dtype), sds((B, H, N, K), F32)),
         compiler_params=triton_params(num_warps=cfg.num_warps_wu, num_stages=1),
         interpret=interpret, name="kda_chunk_wu",
-    )(lens, q, k, v, G, beta, rq, rk, Tinv)
-
-
-def _launch_fused_intra(lens, q, k, v, g, beta, *, scale, l2norm, safe_gate, op_dtype, prec_mm,
-                        cfg, interpret):
-    B, Tp, H, K = q.shape
-    V, N = v.shape[-1], Tp // C
-    tok, per, vec, beta_spec, length = _chunk_specs()
-    sds = jax.ShapeDtypeStruct
-    return pl.pallas_call(
-        functools.partial(_fused_intra_kernel, scale=scale, l2norm=l2norm, safe_gate=safe_gate,
-                          block_k=cfg.block_k_inter, op_dtype=op_dtype, prec_mm=prec_mm),
-        grid=(N, B, H),
-        in_specs=[length, tok(K), tok(K), tok(V), tok(K), beta_spec],
-        out_specs=[per(K), per(V), per(K), per(K), per(C),
-                   pl.BlockSpec((None, None, None, K), lambda n, b, h: (b, h, n, 0))],
-        out_shape=(sds((B, H, Tp, K), op_dtype), sds((B, H, Tp, V), op_dtype),
-                   sds((B, H, Tp, K), op_dtype), sds((B, H, Tp, K), op_dtype),
-                   sds((B, H, Tp, C), op_dtype), sds((B, H, N, K), F32)),
-        compiler_params=triton_params(num_warps=cfg.num_warps_inter, num_stages=1),
-        interpret=interpret, name="kda_chunk_intra",
-    )(lens, q, k, v, g, beta)
+    )(lens, k, v, G, beta, rk, Tinv)
 
 
 def _launch_state(w, u, kg, ec, h0, *, op_dtype, prec_mm, cfg, interpret):
@@ -529,16 +360,19 @@ def _launch_state(w, u, kg, ec, h0, *, op_dtype, prec_mm, cfg, interpret):
     )(w, u, kg, ec, h0)
 
 
-def _launch_out(lens, qg, A, h, vn, *, out_dtype, prec_mm, cfg, interpret):
-    B, H, Tp, K = qg.shape
+def _launch_out(lens, q, G, rq, A, h, vn, *, scale, out_dtype, op_dtype, prec_mm, cfg,
+                interpret):
+    B, Tp, H, K = q.shape
     V, N = vn.shape[-1], Tp // C
     bvo = min(cfg.block_v_out, V)
     spec = lambda shape, idx: pl.BlockSpec(shape, idx)
     return pl.pallas_call(
-        functools.partial(_out_kernel, prec_mm=prec_mm),
+        functools.partial(_out_kernel, scale=scale, op_dtype=op_dtype, prec_mm=prec_mm),
         grid=(N, B, H, V // bvo),
         in_specs=[spec((None,), lambda n, b, h, j: (b,)),
-                  spec((None, None, C, K), lambda n, b, h, j: (b, h, n, 0)),
+                  spec((None, C, None, K), lambda n, b, h, j: (b, n, h, 0)),
+                  spec((None, C, None, K), lambda n, b, h, j: (b, n, h, 0)),
+                  spec((None, None, C), lambda n, b, h, j: (b, h, n)),
                   spec((None, None, C, C), lambda n, b, h, j: (b, h, n, 0)),
                   spec((None, None, K, bvo), lambda n, b, h, j: (b, h, n, j)),
                   spec((None, None, C, bvo), lambda n, b, h, j: (b, h, n, j))],
@@ -546,7 +380,7 @@ def _launch_out(lens, qg, A, h, vn, *, out_dtype, prec_mm, cfg, interpret):
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype),
         compiler_params=triton_params(num_warps=cfg.num_warps_out, num_stages=2),
         interpret=interpret, name="kda_chunk_out",
-    )(lens, qg, A, h, vn)
+    )(lens, q, G, rq, A, h, vn)
 
 
 def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=None,
@@ -590,20 +424,15 @@ def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=No
 
     j = lambda f, **kw: jax.jit(functools.partial(f, **kw))
     q, k, v, g, beta = run("pad", jax.jit(prepare), q, k, v, g, beta)
-    if cfg.fused_intra:
-        w, u, kg, qg, A, ec = run("intra", j(_launch_fused_intra, scale=scale,
-                                             l2norm=use_qk_l2norm, safe_gate=safe_gate,
-                                             op_dtype=op_dtype, **common),
-                                  lens, q, k, v, g, beta)
-    else:
-        G, aqd, akd, rq, rk = run("diag", j(_launch_diag, scale=scale, l2norm=use_qk_l2norm,
-                                            safe_gate=safe_gate, **common), lens, q, k, g, beta)
-        A, Tinv = run("inter", j(_launch_inter, scale=scale, op_dtype=op_dtype, **common),
-                      lens, q, k, G, beta, rq, rk, aqd, akd)
-        w, u, kg, qg, ec = run("wu", j(_launch_wu, scale=scale, op_dtype=op_dtype, **common),
-                               lens, q, k, v, G, beta, rq, rk, Tinv)
+    G, aqd, akd, rq, rk = run("diag", j(_launch_diag, scale=scale, l2norm=use_qk_l2norm,
+                                     safe_gate=safe_gate, **common), lens, q, k, g, beta)
+    A, Tinv = run("inter", j(_launch_inter, scale=scale, op_dtype=op_dtype, **common),
+                  lens, q, k, G, beta, rq, rk, aqd, akd)
+    w, u, kg, ec = run("wu", j(_launch_wu, op_dtype=op_dtype, **common),
+                       lens, k, v, G, beta, rk, Tinv)
     h, vn, ht = run("state", j(_launch_state, op_dtype=op_dtype, **common), w, u, kg, ec, h0)
-    o = run("out", j(_launch_out, out_dtype=out_dtype, **common), lens, qg, A, h, vn)
+    o = run("out", j(_launch_out, scale=scale, out_dtype=out_dtype, op_dtype=op_dtype,
+                     **common), lens, q, G, rq, A, h, vn)
     if Tp != T:
         o = o[:, :T]
     return stages, (o, ht)
