@@ -30,7 +30,7 @@ def _decode_kernel(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gat
                    s_ref, o_ref, cs_out_ref, s_out_ref, *, W, scale, lower_bound, eps, xdtype):
     K = qkv_ref.shape[-1]
     col = jax.lax.broadcasted_iota(jnp.int32, (K, W), 1)
-    ys = []
+    ys, hists, xs = [], [], []
     for j in range(3):  # q, k, v
         hist = [cs_ref[i, j, :].astype(F32) for i in range(W - 1)]
         x = qkv_ref[j, :].astype(F32)
@@ -40,9 +40,8 @@ def _decode_kernel(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gat
             y = y + hist[i] * jnp.sum(jnp.where(col == i, w, 0.0), axis=1)
         y = y * jax.nn.sigmoid(y)
         ys.append(y.astype(xdtype).astype(F32))
-        for i in range(W - 2):
-            cs_out_ref[i, j, :] = hist[i + 1].astype(cs_out_ref.dtype)
-        cs_out_ref[W - 2, j, :] = x.astype(cs_out_ref.dtype)
+        hists.append(hist)
+        xs.append(x)
     q, k, v = ys
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * scale
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
@@ -66,6 +65,13 @@ def _decode_kernel(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gat
     o = o * jax.lax.rsqrt(jnp.mean(o * o) + eps) * onw_ref[...].astype(F32)
     o = o * jax.nn.sigmoid(gate_ref[...].astype(F32))
     o_ref[...] = o.astype(o_ref.dtype)
+    # The conv state rolls in place (its output aliases its input). Written last, after the
+    # state's cross-warp reductions: a warp's store must not overtake another warp's load of the
+    # same row (Triton can hold a K-vector in several warps at once).
+    for j in range(3):
+        for i in range(W - 2):
+            cs_out_ref[i, j, :] = hists[j][i + 1].astype(cs_out_ref.dtype)
+        cs_out_ref[W - 2, j, :] = xs[j].astype(cs_out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "lower_bound", "eps", "scale",
