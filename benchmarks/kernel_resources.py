@@ -1,0 +1,152 @@
+"""Shared memory (LDS) and registers of our Pallas-Triton kernels, compiled offline on a CPU
+machine for the H200 (sm_90) and for MI300X / MI355X (gfx942 / gfx950).
+
+Pallas lowers each kernel to Triton IR (jax.export with the target platform; the GPU description
+Pallas asks for is patched to an H200); the `triton` package (pip, the version the GPU image's
+torch uses: 3.6) then compiles that IR for each target, as XLA's Triton pipeline would. Figures
+are therefore those of upstream Triton 3.6, not of the Triton bundled in jaxlib; close, not
+identical.
+
+  python3 -m pip install triton==3.6.0     # CPU machine; no GPU needed
+  PYTHONPATH=. python3 benchmarks/kernel_resources.py [kda] [--targets sm_90,gfx942,gfx950]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+SD = jax.ShapeDtypeStruct
+
+
+def _capture_triton_ir(fn, args, platform):
+    """Triton IR text of every pallas_call in fn(*args), lowered for `platform` (cuda | rocm)."""
+    from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration as pcr
+
+    info = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    captured = []
+    orig_info, orig_lower = pcr.gpu_info_lib.get_gpu_info, pcr.lowering.lower_jaxpr_to_triton_module
+
+    def hook(*a, **kw):
+        r = orig_lower(*a, **kw)
+        captured.append(r.module.operation.get_asm(enable_debug_info=False))
+        return r
+    pcr.gpu_info_lib.get_gpu_info, pcr.lowering.lower_jaxpr_to_triton_module = (lambda: info), hook
+    try:
+        jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    finally:
+        pcr.gpu_info_lib.get_gpu_info, pcr.lowering.lower_jaxpr_to_triton_module = orig_info, orig_lower
+    del lowering
+    return captured
+
+
+def _compile(ttir: str, target: str, num_warps: int, num_stages: int):
+    """-> dict(smem bytes, registers, spill) for one kernel's Triton IR on one target."""
+    from triton._C.libtriton import ir, passes
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as tcompile
+
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ttir")
+        with open(src, "w") as fh:
+            fh.write(ttir)
+        mod = ir.parse_mlir_module(src, ctx)
+        pm = ir.pass_manager(ctx)  # the make_ttir passes (compiling from a .ttir file skips them)
+        for add in (passes.common.add_inliner, passes.ttir.add_rewrite_tensor_pointer,
+                    passes.common.add_canonicalizer, passes.ttir.add_combine,
+                    passes.ttir.add_reorder_broadcast, passes.common.add_cse,
+                    passes.common.add_symbol_dce, passes.ttir.add_loop_unroll):
+            add(pm)
+        pm.run(mod, "make_ttir")
+        opt = os.path.join(d, "k.opt.ttir")
+        with open(opt, "w") as fh:
+            fh.write(str(mod))
+        if target.startswith("sm_"):
+            gpu = GPUTarget("cuda", int(target[3:]), 32)
+        else:
+            gpu = GPUTarget("hip", target, 64)
+        k = tcompile(opt, target=gpu, options={"num_warps": num_warps, "num_stages": num_stages})
+    out = {"smem": k.metadata.shared}
+    if target.startswith("sm_"):  # registers / spill from the cubin (triton ships cuobjdump)
+        import subprocess
+
+        import triton
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+            fh.write(k.asm["cubin"])
+            fh.flush()
+            usage = subprocess.run([tool, "-res-usage", fh.name], capture_output=True,
+                                   text=True).stdout
+        out["regs"] = int((re.findall(r"REG:(\d+)", usage) or [-1])[0])
+        out["spill"] = int((re.findall(r"STACK:(\d+)", usage) or [-1])[0])  # bytes of stack
+    else:
+        gcn = k.asm.get("amdgcn", "")
+        out["regs"] = int((re.findall(r"\.vgpr_count:\s+(\d+)", gcn) or [-1])[0])
+        out["spill"] = int((re.findall(r"\.vgpr_spill_count:\s+(\d+)", gcn) or [-1])[0])
+    return out
+
+
+def kda_kernels():
+    """(name, fn, args, [(num_warps, num_stages) per pallas_call]) at one TP8 rank's K3 shapes."""
+    from kernels_pallas.kda.chunk_pallas import ChunkConfig, kda_chunk_pallas
+    from kernels_pallas.kda.decode import kda_decode_pallas
+    from kernels_pallas.kda.verify import kda_verify_pallas
+
+    B, T, H, K = 8, 4096, 12, 128
+    cfg = ChunkConfig()
+    chunk_args = (SD((B, T, H, K), jnp.bfloat16),) * 3 + (
+        SD((B, T, H, K), jnp.float32), SD((B, T, H), jnp.bfloat16), SD((B, H, K, K), jnp.float32))
+    chunk = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
+                                                      use_qk_l2norm=True, config=cfg)
+    launches = [(cfg.num_warps_diag, 1), (cfg.num_warps_inter, 1), (cfg.num_warps_wu, 1),
+                (cfg.num_warps_state, cfg.num_stages_state), (cfg.num_warps_out, 2)]
+    P, Bd = H * K, 64
+    dec_args = [SD((Bd, 3 * P), jnp.bfloat16), SD((Bd, 3, 3 * P), jnp.bfloat16),
+                SD((3 * P, 4), jnp.float32), SD((Bd, P), jnp.bfloat16), SD((H,), jnp.float32),
+                SD((P,), jnp.float32), SD((Bd, H), jnp.bfloat16), SD((Bd, P), jnp.bfloat16),
+                SD((K,), jnp.float32), SD((Bd, H, K, K), jnp.float32)]
+    dec = lambda *a: kda_decode_pallas(*a, num_heads=H, lower_bound=-5.0)
+    ver_args = (SD((1, 4, H, K), jnp.bfloat16),) * 3 + (
+        SD((1, 4, H, K), jnp.float32), SD((1, 4, H), jnp.bfloat16), SD((1, H, K, K), jnp.float32))
+    ver = lambda q, k, v, g, b, s: kda_verify_pallas(q, k, v, g, b, s, use_qk_l2norm=True)
+    return [("kda_chunk B8 T4096 H12 [diag, inter, wu, state, out]", chunk, chunk_args, launches),
+            ("kda_decode B64 H12", dec, dec_args, [(8, 1)]),
+            ("kda_verify B1 T4 H12", ver, ver_args, [(2, 1)])]
+
+
+GROUPS = {"kda": kda_kernels}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("groups", nargs="*", default=list(GROUPS))
+    ap.add_argument("--targets", default="sm_90,gfx942,gfx950")
+    a = ap.parse_args()
+    targets = a.targets.split(",")
+    print(f"{'kernel':<58} {'target':<7} {'smem/LDS':>9} {'regs':>5} {'spill':>5}")
+    for group in a.groups:
+        for name, fn, args, launches in GROUPS[group]():
+            by_platform = {}  # lowered once per platform (jax caches the lowering)
+            for target in targets:
+                platform = "cuda" if target.startswith("sm_") else "rocm"
+                if platform not in by_platform:
+                    by_platform[platform] = _capture_triton_ir(fn, args, platform)
+                irs = by_platform[platform]
+                assert len(irs) == len(launches), (name, len(irs))
+                for i, (ttir, (nw, ns)) in enumerate(zip(irs, launches)):
+                    r = _compile(ttir, target, nw, ns)
+                    label = f"{name} #{i} (w{nw} s{ns})" if len(irs) > 1 else f"{name} (w{nw} s{ns})"
+                    print(f"{label:<58} {target:<7} {r['smem']:>9} {r['regs']!s:>5} {r['spill']!s:>5}",
+                          flush=True)
+
+
+if __name__ == "__main__":
+    main()
