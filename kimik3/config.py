@@ -21,6 +21,7 @@ class ConfigError(ValueError):
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("silu", "situ")
 EXPERT_FORMATS = ("dense", "mxfp4")
+MOE_PLACEMENTS = ("auto", "tensor", "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,14 @@ class Config:
     hidden_act: str = "situ"
     situ_beta: float = 4.0
     situ_linear_beta: float = 25.0
+    # MoE on a mesh (runtime choices, not in HF config.json; see sharding/rules.py moe_axes):
+    # "expert": routed experts split over the mesh's `expert` axis (each rank holds E / ep whole
+    # experts); "tensor": every rank holds every expert, their intermediate split over `tensor`;
+    # "auto": "expert" when the mesh has an expert axis > 1, else "tensor".
+    moe_placement: str = "auto"
+    # MoE dedup under TP: each rank computes only its 1/TP of the latent up-projection's outputs and
+    # holds only those rows; False: every rank computes (and holds) the whole up-projection.
+    moe_dedup: bool = True
     # AttnRes: block size in decoder layers; 0 = ordinary residuals
     attn_res_block_size: int = 12
 
@@ -94,6 +103,8 @@ class Config:
         need(self.router_dtype in DTYPES, "router_dtype", f"must be one of {DTYPES}")
         need(self.hidden_act in ACTIVATIONS, "hidden_act", f"must be one of {ACTIVATIONS}")
         need(self.expert_format in EXPERT_FORMATS, "expert_format", f"must be one of {EXPERT_FORMATS}")
+        need(self.moe_placement in MOE_PLACEMENTS, "moe_placement", f"must be one of {MOE_PLACEMENTS}")
+        need(isinstance(self.moe_dedup, bool), "moe_dedup", "must be True or False")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         need(len(self.layer_types) == self.num_layers, "layer_types",
              f"must have one entry per layer ({self.num_layers})")

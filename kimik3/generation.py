@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .model import Cache, KimiLM, Model
-from .runtime import bucket, check_tokens, mesh_context, prefill
+from .runtime import bucket, check_tokens, mesh_context, prefill, run_mesh
 from .sampling import sample
 from .tokenizer import default_tokenizer
 
@@ -81,7 +81,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 16, temperature: float
         if done.all() or step == max_new_tokens - 1:
             break
         active = jnp.asarray(~done, jnp.int32)
-        with mesh_context(cache.mesh):
+        with mesh_context(run_mesh(model, cache)):
             nxt, cache = _decode_and_sample(model, cache, jnp.asarray(toks), active,
                                             _row_keys(seed, B, step + 1), temperature, top_k, top_p,
                                             backend=backend)

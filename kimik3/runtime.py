@@ -42,7 +42,8 @@ def forward(model: Model, tokens, backend=None):
     arr = check_tokens(model.cfg, tokens)
     if arr.ndim != 2 or arr.shape[1] == 0:
         raise ValueError(f"forward needs tokens of shape [batch, length>0], got {arr.shape}")
-    return _forward(model, jnp.asarray(arr, jnp.int32), backend=backend)
+    with mesh_context(run_mesh(model)):
+        return _forward(model, jnp.asarray(arr, jnp.int32), backend=backend)
 
 
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("cache",))
@@ -72,13 +73,24 @@ def extend(model: Model, cache: Cache, tokens, n_new=None, backend=None):
         b = int(over[0])
         raise ValueError(f"row {b}: {int(lengths[b])} cached + {int(n[b])} new tokens exceed the cache's "
                          f"max_seq_len {cache.max_seq_len}; allocate a larger cache")
-    with mesh_context(cache.mesh):
+    with mesh_context(run_mesh(model, cache)):
         return _extend(model, cache, jnp.asarray(arr, jnp.int32), jnp.asarray(n), backend=backend)
 
 
 def mesh_context(mesh):
-    """The ambient mesh the sharded cache's attention runs under (a no-op without one)."""
+    """The ambient mesh the sharded cache's attention and the MoE's shard_map run under (a no-op
+    without one)."""
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def run_mesh(model: Model, cache: Cache | None = None):
+    """The mesh a call runs under: the cache's, else the one the weights are placed on (None: the
+    weights are on one device)."""
+    if cache is not None and cache.mesh is not None:
+        return cache.mesh
+    leaves = jax.tree.leaves(model.params)
+    sharding = getattr(leaves[0], "sharding", None) if leaves else None
+    return sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
 
 
 def prefill(model: Model, prompts, max_seq_len: int, backend=None, mesh=None, dcp_axes=()):

@@ -20,3 +20,16 @@ TINY_VARIANTS = ("tiny", "tiny-linear")
 def tiny_models():
     """One random model per tiny variant, shared by the whole session (init compiles once)."""
     return {name: kimik3.init(kimik3.Config.preset(name), seed=0) for name in TINY_VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def tiny_greedy(tiny_models):
+    """The one-device reference the mesh tests compare with: the tiny model, prompts of different
+    lengths (some shorter than 8 DCP shards), their prefill's last logits and 8 greedy tokens each."""
+    from types import SimpleNamespace
+
+    model = tiny_models["tiny"]
+    prompts = [[5, 6, 7], list(range(30, 52)), [9], list(range(100, 113))]
+    last, _ = kimik3.prefill(model, prompts, 64)
+    tokens = kimik3.generate(model, prompts, max_new_tokens=8, stop_tokens=[], max_seq_len=64)
+    return SimpleNamespace(model=model, prompts=prompts, last=last, tokens=tokens)

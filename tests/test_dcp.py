@@ -9,7 +9,6 @@ import pytest
 import kimik3
 import sharding
 
-PROMPTS = [[5, 6, 7], list(range(30, 52)), [9], list(range(100, 113))]
 MESHES = {
     "tp8": (dict(tensor=8), ()),
     "tp4_dcp2": (dict(tensor=4, dcp=2), ("dcp",)),
@@ -17,34 +16,27 @@ MESHES = {
 }
 
 
-@pytest.fixture(scope="module")
-def single(tiny_models):
-    model = tiny_models["tiny"]
-    last, _ = kimik3.prefill(model, PROMPTS, 64)
-    return model, kimik3.generate(model, PROMPTS, max_new_tokens=8, stop_tokens=[], max_seq_len=64), last
-
-
 @pytest.mark.parametrize("name", list(MESHES))
-def test_sharded_decode_matches_one_device(single, name):
-    model, want, want_last = single
+def test_sharded_decode_matches_one_device(tiny_greedy, name):
+    model, prompts, want, want_last = tiny_greedy.model, tiny_greedy.prompts, tiny_greedy.tokens, tiny_greedy.last
     axes, dcp_axes = MESHES[name]
     mesh = sharding.make_mesh(**axes)
-    sharded = kimik3.init(model.cfg, seed=0, mesh=mesh)
-    last, cache = kimik3.prefill(sharded, PROMPTS, 64, mesh=mesh, dcp_axes=dcp_axes)
+    sharded = sharding.place_model(model, mesh)  # kimik3.init(mesh=) itself: tests/test_model.py
+    last, cache = kimik3.prefill(sharded, prompts, 64, mesh=mesh, dcp_axes=dcp_axes)
     assert jnp.max(jnp.abs(last - want_last)) / jnp.max(jnp.abs(want_last)) < 1e-5
     if dcp_axes:  # each device holds 1/dcp of every sequence's positions
         latent = cache.layers[model.cfg.mla_layers[0]]["latent"]
         n = np.prod([mesh.shape[a] for a in dcp_axes])
         assert latent.addressable_shards[0].data.shape[1] == 64 // n
-    got = kimik3.generate(sharded, PROMPTS, max_new_tokens=8, stop_tokens=[], max_seq_len=64, mesh=mesh,
+    got = kimik3.generate(sharded, prompts, max_new_tokens=8, stop_tokens=[], max_seq_len=64, mesh=mesh,
                           dcp_axes=dcp_axes)
     assert got == want
 
 
-def test_multi_token_verify_under_dcp(single):
-    model, _, _ = single
+def test_multi_token_verify_under_dcp(tiny_models):
+    model = tiny_models["tiny"]
     mesh = sharding.make_mesh(tensor=8)
-    sharded = kimik3.init(model.cfg, seed=0, mesh=mesh)
+    sharded = sharding.place_model(model, mesh)  # kimik3.init(mesh=) itself: tests/test_model.py
     toks = np.array([list(range(1, 21)), list(range(40, 60))], np.int32)
     full = kimik3.forward(model, toks)
     _, cache = kimik3.prefill(sharded, [list(toks[0, :14]), list(toks[1, :9])], 64, mesh=mesh, dcp_axes=("tensor",))

@@ -19,3 +19,19 @@ def test_k3_tp8_and_dcp8_at_142k_tokens():
     # 2.8T params, mostly MXFP4 (0.53 B each), plus what TP8 replicates (embeddings, latent down-proj):
     # about 205 GB per GPU, within an MI355X's 288 GB, beyond an H200's 141 GB
     assert 190e9 < tp8["params"] < 215e9
+
+
+def test_k3_expert_parallel_holds_a_share_of_the_experts():
+    cfg = kimik3.Config.preset("kimi-k3")
+    tp8 = sharding.memory_report(cfg, tensor=8)
+    ep8 = sharding.memory_report(cfg, expert=8)
+    tp2_ep4 = sharding.memory_report(cfg, tensor=2, expert=4)
+    # 896 MXFP4 experts per MoE layer: 3 matrices of 3584 x 3072 at half a byte plus a scale byte per 32
+    per_expert = 3 * 3584 * 3072 * (1 / 2 + 1 / 32)
+    for r in (tp8, ep8, tp2_ep4):  # every layout splits them 8 ways
+        assert r["routed_experts"] == cfg.num_moe_layers * 896 * per_expert / 8
+    # EP8 keeps attention, shared experts and the up-projection whole on every rank (no dedup without TP)
+    one = sharding.memory_report(cfg)
+    assert ep8["params"] - ep8["routed_experts"] == one["params"] - one["routed_experts"]
+    assert ep8["dedup_saved"] == 0 and tp2_ep4["dedup_saved"] > 0
+    assert tp8["params"] < tp2_ep4["params"] < ep8["params"]

@@ -18,6 +18,19 @@ def dense(features: int, name: str, cfg, dtype=None, param_dtype=None) -> nn.Den
                     kernel_init=nn.initializers.normal(INIT_STD))
 
 
+class Weight(nn.Module):
+    """A bare parameter (default: an [in, out] `kernel` initialised like `dense`'s), for weights
+    used in more than one way or handed to pure functions (the MoE under shard_map)."""
+    shape: tuple
+    dtype: jnp.dtype
+    init: object = nn.initializers.normal(INIT_STD)
+    param_name: str = "kernel"
+
+    @nn.compact
+    def __call__(self):
+        return self.param(self.param_name, self.init, self.shape, self.dtype)
+
+
 class RMSNorm(nn.Module):
     """Kimi RMSNorm: normalise in fp32, cast to the input dtype, then multiply by the gain."""
     dim: int

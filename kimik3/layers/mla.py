@@ -12,7 +12,7 @@ from kernels_pallas.mla import mla_decode
 from kernels_pallas.mla.decode import CACHE_DIM
 from kernels_pallas.mla.prefill import QK_DIM, V_DIM, mla_prefill, mla_prefill_chunked
 
-from .common import F32, INIT_STD, RMSNorm, dense
+from .common import F32, RMSNorm, Weight, dense
 from .kda import RECURRENT_MAX_T
 
 LONG_PREFILL = 1024  # causal passes longer than this use the chunked / flash prefill attention
@@ -58,16 +58,6 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes):
 
     return shard_map(local, mesh=mesh, in_specs=(P(), P(), P(None, dcp_axes, None), P(), P()), out_specs=P(),
                      check_vma=False)(q_lat, q_rope, cache, start, n_new)
-
-
-class Weight(nn.Module):
-    """A bare [in, out] kernel, for weights used in more than one way (kv_b in both MLA forms)."""
-    shape: tuple
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self):
-        return self.param("kernel", nn.initializers.normal(INIT_STD), self.shape, self.dtype)
 
 
 def _softmax_attend(scores, mask, values_fn):
