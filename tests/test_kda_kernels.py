@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.kda import (kda_chunk, kda_decode, kda_gate, kda_recurrent, kda_verify)
+from kernels_pallas.kda.chunk_pallas import ChunkConfig
 
 F32 = jnp.float32
 
@@ -151,3 +152,22 @@ def test_verify_vs_reference(B, T, H, K, lengths, dt, bounded):
                           lengths=None if lens is None else jnp.minimum(lens, t),
                           use_qk_l2norm=True)
     assert rel(hs[:, t - 1], st) < 1e-5
+
+
+@pytest.mark.parametrize("T,groups,dt,lengths", [
+    (300, 2, F32, [300, 130]),          # 5 chunks -> padded to 6, ragged
+    (520, 4, F32, None),                # 9 chunks -> 12, last group all padding
+    (256, 0, jnp.bfloat16, [256, 1]),   # auto (tiny batch: picks > 1 only with >= 16 chunks)
+])
+def test_chunk_two_level_scan(T, groups, dt, lengths):
+    """The grouped (two-level) state scan: each group's map in parallel, a short scan over the
+    groups, a parallel replay; == the reference, outputs and final state."""
+    from kernels_pallas.kda.chunk_pallas import auto_scan_groups
+    B, H, K = 2, 2, 32
+    q, k, v, g, beta, h0 = make(T + groups, B, T, H, K, K, dt, True, True)
+    lens = None if lengths is None else jnp.array(lengths, jnp.int32)
+    o, s = kda_chunk(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=True,
+                     backend="interpret", config=ChunkConfig(scan_groups=groups))
+    ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=True)
+    assert rel(o, ro) < tol(dt) and rel(s, rs) < tol(dt), (rel(o, ro), rel(s, rs))
+    assert auto_scan_groups(1, 16, 128, 512) > 1 and auto_scan_groups(8, 96, 128, 64) == 1

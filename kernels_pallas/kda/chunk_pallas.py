@@ -16,6 +16,11 @@ Chunks of C = 64 tokens, sub-blocks of 16. Five launches, each small enough to s
      Kg = K exp(G_C - G), exp(G_C): 64-row matmuls.
   4. `_state_kernel`  (b, h, V-tile), sequential over chunks with the fp32 state in registers:
      stores the state entering each chunk, V' = U - W S, and S <- exp(G_C) S + Kg^T V'.
+     Two-level variant (ChunkConfig.scan_groups > 1, or 0 = `auto_scan_groups` by shape) for few
+     sequences x heads: the chunks split into equal groups; each group's affine map
+     S -> P S + Q runs in parallel (the same kernel: P with U = 0 from the identity, Q from 0),
+     a short fp32 scan over the groups (plain JAX) gives each group's entering state, and the
+     groups replay in parallel, storing the per-chunk states.
   5. `_out_kernel`    (chunk, b, h, V-tile), parallel: O = (scale Q exp G) S_n + Aqk V'.
 Rows past `lengths[b]` are masked where they are loaded (they may hold garbage, even NaN); their
 outputs are zero.
@@ -55,6 +60,7 @@ class ChunkConfig:
     num_warps_state: int = 4
     num_stages_state: int = 2
     num_warps_out: int = 4
+    scan_groups: int = 1               # two-level scan over this many runs of chunks; 0 = auto
 
 
 def _is_pow2(n: int) -> bool:
@@ -242,20 +248,39 @@ def _wu_kernel(len_ref, k_ref, v_ref, G_ref, b_ref, rk_ref, t_ref, w_ref, u_ref,
 # ----------------------------------------------------------------------------------------------
 # 4. sequential state scan
 # ----------------------------------------------------------------------------------------------
-def _state_kernel(w_ref, u_ref, kg_ref, ec_ref, h0_ref, h_ref, vn_ref, ht_ref, *,
-                  n_chunks, op_dtype, prec_mm):
+def _state_kernel(*refs, n_chunks, transition, store, op_dtype, prec_mm):
+    """S <- exp(G_C) S + Kg^T (U - W S) over `n_chunks` chunks, fp32 S in registers; with `store`
+    the state entering each chunk and V' = U - W S are written. `transition`: U = 0 and S starts
+    as the identity's column tile, so the result is the chunks' product map (two-level scan)."""
+    if transition:
+        w_ref, kg_ref, ec_ref, *outs = refs
+        u_ref = h0_ref = None
+    else:
+        w_ref, u_ref, kg_ref, ec_ref, h0_ref, *outs = refs
+    h_ref, vn_ref, ht_ref = outs if store else (None, None, outs[0])
     K = w_ref.shape[-1]
+    bv = ht_ref.shape[-1]
 
     def body(n, S):
         rows = pl.ds(pl.multiple_of(n * C, C), C)
         Sd = S.astype(op_dtype)
-        h_ref[pl.ds(pl.multiple_of(n * K, K), K), :] = Sd.astype(h_ref.dtype)
-        vn = u_ref[rows, :].astype(F32) - _dot(w_ref[rows, :], Sd, prec_mm)
+        if store:
+            h_ref[pl.ds(pl.multiple_of(n * K, K), K), :] = Sd.astype(h_ref.dtype)
+        vn = -_dot(w_ref[rows, :], Sd, prec_mm)
+        if u_ref is not None:
+            vn = vn + u_ref[rows, :].astype(F32)
         vnd = vn.astype(op_dtype)
-        vn_ref[rows, :] = vnd.astype(vn_ref.dtype)
+        if store:
+            vn_ref[rows, :] = vnd.astype(vn_ref.dtype)
         return S * ec_ref[n, :][:, None] + _dot(kg_ref[rows, :], vnd, prec_mm, trans_a=True)
 
-    ht_ref[...] = jax.lax.fori_loop(0, n_chunks, body, h0_ref[...].astype(F32))
+    if transition:
+        r = jax.lax.broadcasted_iota(jnp.int32, (K, bv), 0)
+        c = jax.lax.broadcasted_iota(jnp.int32, (K, bv), 1) + pl.program_id(2) * bv
+        S0 = (r == c).astype(F32)
+    else:
+        S0 = h0_ref[...].astype(F32)
+    ht_ref[...] = jax.lax.fori_loop(0, n_chunks, body, S0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,31 +364,75 @@ def _launch_wu(lens, k, v, G, beta, rk, Tinv, *, op_dtype, prec_mm, cfg, interpr
     )(lens, k, v, G, beta, rk, Tinv)
 
 
-def _launch_state(w, u, kg, ec, h0, *, op_dtype, prec_mm, cfg, interpret):
+def _launch_state(w, u, kg, ec, h0, *, groups=1, transition=False, store=True, op_dtype,
+                  prec_mm, cfg, interpret):
+    """The scan over each of `groups` equal runs of chunks in parallel (program p = b * groups +
+    group). Inputs [B, H, Tp, .] and ec [B, H, N, K]; h0 [B * groups, H, K, V] (absent with
+    `transition`). Returns (h, vn, final states) or (final states,) without `store`."""
     B, H, Tp, K = w.shape
-    V, N = u.shape[-1], Tp // C
-    bv = _pick_block_v(B, H, V) if cfg.block_v_state is None else cfg.block_v_state
-    full = lambda X: pl.BlockSpec((None, None, Tp, X), lambda b, h, j: (b, h, 0, 0))
-    tile = lambda rows: pl.BlockSpec((None, None, rows, bv), lambda b, h, j: (b, h, 0, j))
+    N = Tp // C
+    per = N // groups
+    V = K if transition else u.shape[-1]
+    bv = _pick_block_v(B * groups, H, V) if cfg.block_v_state is None else cfg.block_v_state
+    run = lambda cols, X: pl.BlockSpec((None, None, cols, X),
+                                       lambda p, h, j: (p // groups, h, p % groups, 0))
+    run_tile = lambda rows: pl.BlockSpec((None, None, rows, bv),
+                                         lambda p, h, j: (p // groups, h, p % groups, j))
+    own = lambda rows: pl.BlockSpec((None, None, rows, bv), lambda p, h, j: (p, h, 0, j))
     sds = jax.ShapeDtypeStruct
+    in_specs = [run(per * C, K)] + ([] if transition else [run_tile(per * C)]) + [
+        run(per * C, K), run(per, K)] + ([] if transition else [own(K)])
+    args = (w, kg, ec) if transition else (w, u, kg, ec, h0)
+    out_specs = ([own(per * K), own(per * C)] if store else []) + [own(K)]
+    out_shape = ([sds((B * groups, H, per * K, V), op_dtype),
+                  sds((B * groups, H, per * C, V), op_dtype)] if store else []) + [
+        sds((B * groups, H, K, V), F32)]
     return pl.pallas_call(
-        functools.partial(_state_kernel, n_chunks=N, op_dtype=op_dtype, prec_mm=prec_mm),
-        grid=(B, H, V // bv),
-        in_specs=[full(K), tile(Tp), full(K),
-                  pl.BlockSpec((None, None, N, K), lambda b, h, j: (b, h, 0, 0)), tile(K)],
-        out_specs=[tile(N * K), tile(Tp), tile(K)],
-        out_shape=(sds((B, H, N * K, V), op_dtype), sds((B, H, Tp, V), op_dtype),
-                   sds((B, H, K, V), F32)),
+        functools.partial(_state_kernel, n_chunks=per, transition=transition, store=store,
+                          op_dtype=op_dtype, prec_mm=prec_mm),
+        grid=(B * groups, H, V // bv),
+        in_specs=in_specs, out_specs=out_specs, out_shape=tuple(out_shape),
         compiler_params=triton_params(num_warps=cfg.num_warps_state,
                                       num_stages=cfg.num_stages_state),
         interpret=interpret, name="kda_chunk_state",
-    )(w, u, kg, ec, h0)
+    )(*args)
 
 
-def _launch_out(lens, q, G, rq, A, h, vn, *, scale, out_dtype, op_dtype, prec_mm, cfg,
+def _group_starts(P, Q, h0, groups):
+    """Two-level scan, middle step: the state entering each group from the groups' maps
+    S -> P_g S + Q_g (P [B*G, H, K, K], Q [B*G, H, K, V]), in fp32 plain JAX: a short
+    sequential loop of batched matmuls. -> starts [B*G, H, K, V], final state [B, H, K, V]."""
+    BG, H, K, V = Q.shape
+    B = BG // groups
+    P = P.reshape(B, groups, H, K, K).swapaxes(0, 1)
+    Q = Q.reshape(B, groups, H, K, V).swapaxes(0, 1)
+
+    def step(S, pq):
+        Pg, Qg = pq
+        return jnp.einsum("bhkl,bhlv->bhkv", Pg, S, precision=HIGHEST) + Qg, S
+    final, starts = jax.lax.scan(step, h0, (P, Q))
+    return starts.swapaxes(0, 1).reshape(BG, H, K, V), final
+
+
+def auto_scan_groups(B, H, V, n_chunks, n_sm=132, min_chunks=8):
+    """Groups for the two-level scan when B * H sequential programs leave the GPU idle: the
+    smallest power of two that gives >= 2 programs per SM (32 value columns a program), keeping
+    >= `min_chunks` chunks a group; 1 (plain sequential scan) when the batch fills the GPU.
+    A cost model, not yet timed on a GPU (results_kda.md)."""
+    groups = 1
+    while (B * H * groups * max(V // 32, 1) < 2 * n_sm
+           and n_chunks // (groups * 2) >= min_chunks):
+        groups *= 2
+    return groups
+
+
+def _launch_out(lens, q, G, rq, A, h, vn, *, groups, scale, out_dtype, op_dtype, prec_mm, cfg,
                 interpret):
+    """h, vn come from the scan in its layout: [B * groups, H, chunks per group * (K | C), V]."""
     B, Tp, H, K = q.shape
     V, N = vn.shape[-1], Tp // C
+    per = N // groups
+    hist = lambda n, b, h, j: (b * groups + n // per, h, n % per, j)
     bvo = min(cfg.block_v_out, V)
     spec = lambda shape, idx: pl.BlockSpec(shape, idx)
     return pl.pallas_call(
@@ -374,8 +443,8 @@ def _launch_out(lens, q, G, rq, A, h, vn, *, scale, out_dtype, op_dtype, prec_mm
                   spec((None, C, None, K), lambda n, b, h, j: (b, n, h, 0)),
                   spec((None, None, C), lambda n, b, h, j: (b, h, n)),
                   spec((None, None, C, C), lambda n, b, h, j: (b, h, n, 0)),
-                  spec((None, None, K, bvo), lambda n, b, h, j: (b, h, n, j)),
-                  spec((None, None, C, bvo), lambda n, b, h, j: (b, h, n, j))],
+                  spec((None, None, K, bvo), hist),
+                  spec((None, None, C, bvo), hist)],
         out_specs=spec((None, C, None, bvo), lambda n, b, h, j: (b, n, h, j)),
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype),
         compiler_params=triton_params(num_warps=cfg.num_warps_out, num_stages=2),
@@ -405,6 +474,9 @@ def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=No
     N = -(-T // C)
     if N == 0:
         return [], (jnp.zeros((B, 0, H, V), out_dtype), h0)
+    groups = (auto_scan_groups(B, H, V, N) if cfg.scan_groups == 0
+              else max(1, min(cfg.scan_groups, N)))
+    N = -(-N // groups) * groups     # equal runs of chunks; padded chunks are masked (identity)
     Tp = N * C
     lens = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.minimum(
         jnp.asarray(lengths, jnp.int32), T)
@@ -430,9 +502,18 @@ def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=No
                   lens, q, k, G, beta, rq, rk, aqd, akd)
     w, u, kg, ec = run("wu", j(_launch_wu, op_dtype=op_dtype, **common),
                        lens, k, v, G, beta, rk, Tinv)
-    h, vn, ht = run("state", j(_launch_state, op_dtype=op_dtype, **common), w, u, kg, ec, h0)
-    o = run("out", j(_launch_out, scale=scale, out_dtype=out_dtype, op_dtype=op_dtype,
-                     **common), lens, q, G, rq, A, h, vn)
+    state = lambda **kw: j(_launch_state, op_dtype=op_dtype, groups=groups, **kw, **common)
+    if groups == 1:
+        h, vn, ht = run("state", state(), w, u, kg, ec, h0)
+    else:  # two-level: each group's map in parallel, the short scan over groups, parallel replay
+        (P,) = run("state_maps_P", state(transition=True, store=False), w, None, kg, ec, None)
+        (Q,) = run("state_maps_Q", state(store=False), w, u, kg, ec,
+                   jnp.zeros((B * groups, H, K, V), F32))
+        starts, ht = run("group_scan", jax.jit(functools.partial(_group_starts, groups=groups)),
+                         P, Q, h0)
+        h, vn, _ = run("state_replay", state(), w, u, kg, ec, starts)
+    o = run("out", j(_launch_out, groups=groups, scale=scale, out_dtype=out_dtype,
+                     op_dtype=op_dtype, **common), lens, q, G, rq, A, h, vn)
     if Tp != T:
         o = o[:, :T]
     return stages, (o, ht)
