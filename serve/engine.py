@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimik3.model import Model, cache_shapes
-from kimik3.runtime import check_tokens
+from kimik3.runtime import check_tokens, mesh_context, run_mesh
 from kimik3.tokenizer import default_tokenizer
 
 from .pages import PageAllocator
@@ -286,14 +286,16 @@ class Engine:
         common = dict(page_table=jnp.asarray(table), seeds=jnp.asarray(seeds), gen_idx=jnp.asarray(gen),
                       temperature=jnp.asarray(temp), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p),
                       backend=self.backend)
-        if prefilling:
-            sampled, self.layers = mixed_step(self.model, self.layers, jnp.asarray(tokens), *args,
-                                              jnp.asarray(self._reset), **common)
-            sampled = np.asarray(sampled)[None]  # [1, B]
-        else:
-            sampled, self.layers = decode_steps(self.model, self.layers, jnp.asarray(tokens), args[0],
-                                                args[1], steps=steps, **common)
-            sampled = np.asarray(sampled)
+        # on a mesh the MoE layers run in shard_map (dedup / expert parallelism) under it
+        with mesh_context(run_mesh(self.model)):
+            if prefilling:
+                sampled, self.layers = mixed_step(self.model, self.layers, jnp.asarray(tokens), *args,
+                                                  jnp.asarray(self._reset), **common)
+                sampled = np.asarray(sampled)[None]  # [1, B]
+            else:
+                sampled, self.layers = decode_steps(self.model, self.layers, jnp.asarray(tokens),
+                                                    args[0], args[1], steps=steps, **common)
+                sampled = np.asarray(sampled)
         self._reset[:] = False
         events = []
         for r in running:

@@ -112,3 +112,14 @@ def test_steady_state_does_not_recompile(model):
     before = (steps.mixed_step._cache_size(), steps.decode_steps._cache_size())
     eng.generate(_prompts(7, 8), max_new_tokens=9, temperature=0.5, stop_tokens=[])
     assert (steps.mixed_step._cache_size(), steps.decode_steps._cache_size()) == before
+
+
+def test_engine_on_a_tp8_mesh_matches_one_device(tiny_greedy):
+    """Weights placed on 8 devices (TP8: MoE dedup in shard_map): the engine's greedy tokens are
+    the one-device generate's."""
+    import sharding
+
+    mesh = sharding.make_mesh(tensor=8)
+    placed = sharding.place_model(tiny_greedy.model, mesh)
+    eng = Engine(placed, max_batch=4, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=3)
+    assert eng.generate(tiny_greedy.prompts, max_new_tokens=8, stop_tokens=[]) == tiny_greedy.tokens
