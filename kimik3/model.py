@@ -78,8 +78,12 @@ def init_cache(cfg: Config, batch: int, max_seq_len: int, mesh=None, dcp_axes: t
     for entry in cache_shapes(cfg, batch, max_seq_len):
         e = {k: jnp.zeros(s, d) for k, (s, d) in entry.items()}
         if mesh is not None:
-            spec = P(None, dcp_axes or None, None) if "latent" in e else P()
-            e = {k: jax.device_put(v, NamedSharding(mesh, spec)) for k, v in e.items()}
+            if "latent" in e:  # MLA: positions over the DCP axes (else every rank holds all)
+                specs = {k: P(None, dcp_axes or None, None) for k in e}
+            else:  # KDA: heads over tensor, as the layer's shard_map computes them
+                from sharding.kda import kda_cache_specs
+                specs = kda_cache_specs(cfg, mesh)
+            e = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in e.items()}
         layers.append(e)
     return Cache(lengths=jnp.zeros((batch,), jnp.int32), layers=tuple(layers), mesh=mesh, dcp_axes=dcp_axes)
 

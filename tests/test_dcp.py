@@ -1,5 +1,5 @@
-"""The model on 8 fake devices: TP8, TP4 x DCP2 and TP8 with DCP8 (cache positions split over the
-tensor axis itself) give the same greedy tokens and logits as one device, for prompts of different
+"""The model on 8 fake devices: TP8, TP4 x DCP2, TP2 x DCP4 and TP8 with DCP8 (cache positions
+split over the tensor axis itself) give the same greedy tokens and logits as one device, for prompts of different
 lengths including ones shorter than the number of DCP shards."""
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,7 @@ MESHES = {
     "tp8": (dict(tensor=8), ()),
     "tp4_dcp2": (dict(tensor=4, dcp=2), ("dcp",)),
     "tp8_dcp8": (dict(tensor=8), ("tensor",)),
+    "tp2_dcp4": (dict(tensor=2, dcp=4), ("dcp",)),  # KDA heads (2) split too: sharding/kda.py
 }
 
 

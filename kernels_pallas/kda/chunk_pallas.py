@@ -463,7 +463,7 @@ def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=No
     V = v.shape[-1]
     if not (_is_pow2(K) and _is_pow2(V) and K >= 16 and V >= 16):
         raise ValueError(f"K={K} and V={V} must be powers of two >= 16")
-    cfg = config
+    cfg = dataclasses.replace(config, block_k_inter=min(config.block_k_inter, K))  # small heads
     if K % cfg.block_k_inter or V % min(cfg.block_v_out, V):
         raise ValueError(f"config {cfg} does not tile K={K}, V={V}")
     scale = float(K ** -0.5 if scale is None else scale)

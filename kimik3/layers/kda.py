@@ -9,7 +9,7 @@ import flax.linen as nn
 import kernels_pallas
 from kernels_pallas import resolve_backend
 from kernels_pallas.kda.decode import kda_decode
-from .common import F32, causal_conv, dense, rms_normalize
+from .common import F32, Weight, causal_conv, rms_normalize
 
 # At most this many new tokens per sequence go through the per-token recurrence (decode, verify);
 # longer extends use the chunked form.
@@ -22,61 +22,95 @@ def kda_cache_shapes(cfg, batch: int):
     return {"state": ((batch, H, K, K), F32), "conv": ((batch, cfg.conv_size - 1, 3 * P), cfg.jnp_dtype)}
 
 
+def kda_weights(module, cfg) -> dict:
+    """Declare the KDA layer's weights in `module` (a compact Linen module) and return them as a
+    dict for `kda_apply`. Names, shapes and initialisers are the checkpoint's (Dense-style
+    `{name: {"kernel": [in, out]}}` for projections)."""
+    D, H, K, W = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_size
+    P, pdt = H * K, cfg.jnp_param_dtype
+    proj = {"q_proj": (D, P), "k_proj": (D, P), "v_proj": (D, P), "f_a_proj": (D, K),
+            "f_b_proj": (K, P), "b_proj": (D, H), "o_proj": (P, D)}
+    proj.update({"g_proj": (D, P)} if cfg.use_full_rank_gate else {"g_a_proj": (D, K), "g_b_proj": (K, P)})
+    p = {n: {"kernel": Weight(s, pdt, name=n)()} for n, s in proj.items()}
+    conv_init = nn.initializers.normal(0.3)
+    for n in "qkv":
+        p[f"{n}_conv1d"] = module.param(f"{n}_conv1d", conv_init, (P, W), F32)
+    p["A_log"] = module.param("A_log", lambda key, s: jnp.log(jax.random.uniform(key, s, F32, 1, 16)), (H,))
+    p["dt_bias"] = module.param("dt_bias", nn.initializers.normal(0.5), (P,), F32)
+    p["o_norm"] = module.param("o_norm", nn.initializers.ones, (K,), F32)
+    return p
+
+
+def kda_apply(cfg, p, x, cache, n_new, backend=None, tensor_axis=None):
+    """The KDA layer on the heads its weights hold: x [B, T, D], cache {"state" [B, H, K, K],
+    "conv" [B, W-1, 3P] (this rank's q | k | v channels)} -> (out [B, T, D], new cache).
+
+    Under shard_map (`tensor_axis` named) the weights are one rank's heads and the output
+    projection's partial sums are all-reduced over that axis; the recurrence kernels see only
+    local heads."""
+    B, T, _ = x.shape
+    K = cfg.kda_head_dim
+    P = p["dt_bias"].shape[0]
+    H = P // K
+    dt = cfg.jnp_dtype
+    proj = lambda h, n: h.astype(dt) @ p[n]["kernel"].astype(dt)  # noqa: E731  (what Dense does)
+    qkv_raw = jnp.concatenate([proj(x, "q_proj"), proj(x, "k_proj"), proj(x, "v_proj")], axis=-1)
+    conv_w = jnp.concatenate([p[f"{n}_conv1d"] for n in "qkv"])
+    f = proj(proj(x, "f_a_proj"), "f_b_proj")
+    A_log, dt_bias, o_norm = p["A_log"], p["dt_bias"], p["o_norm"]
+    b_logits = proj(x, "b_proj").astype(F32)
+    gate = proj(x, "g_proj") if cfg.use_full_rank_gate else proj(proj(x, "g_a_proj"), "g_b_proj")
+
+    def out_proj(o):
+        y = proj(o, "o_proj")
+        return y if tensor_axis is None else jax.lax.psum(y, tensor_axis)
+
+    if T == 1 and resolve_backend(backend) != "reference":
+        # One fused launch: conv update, norms, gates, state update in place, gated norm.
+        # Idle rows (n_new = 0) get gate and beta logits of -1e30, i.e. decay 1 and no write, so
+        # the big state stays in place untouched; only the small conv state is selected back.
+        idle = (n_new == 0)[:, None]
+        old_conv = jnp.copy(cache["conv"])  # the kernel donates (updates in place) its inputs
+        o, conv_state, state = kda_decode(
+            qkv_raw[:, 0], cache["conv"], conv_w, jnp.where(idle, -1e30, f[:, 0].astype(F32)), A_log,
+            dt_bias, jnp.where(idle, -1e30, b_logits[:, 0]), gate[:, 0], o_norm, cache["state"],
+            num_heads=H, lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps, backend=backend)
+        conv_state = jnp.where(idle[:, :, None], old_conv, conv_state)
+        return out_proj(o[:, None].astype(dt)), {"state": state, "conv": conv_state}
+
+    qkv, conv_state = causal_conv(qkv_raw, cache["conv"], conv_w, n_new)
+    q, k, v = (a.reshape(B, T, H, K) for a in jnp.split(qkv, 3, axis=-1))
+    g = kernels_pallas.kda_gate(f.reshape(B, T, H, K), A_log, dt_bias, lower_bound=cfg.gate_lower_bound)
+    beta = jax.nn.sigmoid(b_logits)
+
+    args = dict(initial_state=cache["state"], lengths=n_new, use_qk_l2norm=True)
+    if T <= RECURRENT_MAX_T:
+        o, state = kernels_pallas.kda_recurrent(q, k, v, g, beta, **args)
+    else:
+        o, state = kernels_pallas.kda_chunk(q, k, v, g, beta, backend=backend, **args)
+
+    o = rms_normalize(o.astype(F32), cfg.rms_norm_eps) * o_norm
+    o = o * jax.nn.sigmoid(gate.astype(F32).reshape(B, T, H, K))
+    return out_proj(o.reshape(B, T, P).astype(dt)), {"state": state, "conv": conv_state}
+
+
 class KDA(nn.Module):
+    """The KDA layer. Under an ambient mesh whose tensor axis divides the heads (kimik3's
+    functions set the model's mesh) it runs `kda_apply` per rank's heads in shard_map
+    (sharding/kda.py): the recurrence kernels see local heads and the state stays split."""
     cfg: object
 
     @nn.compact
     def __call__(self, x, cache, n_new, backend=None):
         """x [B, T, D]; cache {"state", "conv"} or None (fresh sequences); n_new [B] valid tokens."""
         cfg = self.cfg
-        B, T, _ = x.shape
-        H, K = cfg.kda_num_heads, cfg.kda_head_dim
-        P = H * K
-        W = cfg.conv_size
         if cache is None:
-            shapes = kda_cache_shapes(cfg, B)
+            shapes = kda_cache_shapes(cfg, x.shape[0])
             cache = {k: jnp.zeros(s, d) for k, (s, d) in shapes.items()}
-
-        conv_init = nn.initializers.normal(0.3)
-        qkv_raw = jnp.concatenate([dense(P, "q_proj", cfg)(x), dense(P, "k_proj", cfg)(x),
-                                   dense(P, "v_proj", cfg)(x)], axis=-1)
-        conv_w = jnp.concatenate([self.param(f"{n}_conv1d", conv_init, (P, W), F32) for n in "qkv"])
-        f = dense(P, "f_b_proj", cfg)(dense(K, "f_a_proj", cfg)(x))
-        A_log = self.param("A_log", lambda key, s: jnp.log(jax.random.uniform(key, s, F32, 1, 16)), (H,))
-        dt_bias = self.param("dt_bias", nn.initializers.normal(0.5), (P,), F32)
-        b_logits = dense(H, "b_proj", cfg)(x).astype(F32)
-        if cfg.use_full_rank_gate:
-            gate = dense(P, "g_proj", cfg)(x)
-        else:
-            gate = dense(P, "g_b_proj", cfg)(dense(K, "g_a_proj", cfg)(x))
-        o_norm = self.param("o_norm", nn.initializers.ones, (K,), F32)
-
-        if T == 1 and resolve_backend(backend) != "reference":
-            # One fused launch: conv update, norms, gates, state update in place, gated norm.
-            # Idle rows (n_new = 0) get gate and beta logits of -1e30, i.e. decay 1 and no write, so
-            # the big state stays in place untouched; only the small conv state is selected back.
-            idle = (n_new == 0)[:, None]
-            old_conv = jnp.copy(cache["conv"])  # the kernel donates (updates in place) its inputs
-            o, conv_state, state = kda_decode(
-                qkv_raw[:, 0], cache["conv"], conv_w, jnp.where(idle, -1e30, f[:, 0].astype(F32)), A_log,
-                dt_bias, jnp.where(idle, -1e30, b_logits[:, 0]), gate[:, 0], o_norm, cache["state"],
-                num_heads=H, lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps, backend=backend)
-            conv_state = jnp.where(idle[:, :, None], old_conv, conv_state)
-            out = dense(cfg.hidden_size, "o_proj", cfg)(o[:, None].astype(cfg.jnp_dtype))
-            return out, {"state": state, "conv": conv_state}
-
-        qkv, conv_state = causal_conv(qkv_raw, cache["conv"], conv_w, n_new)
-        q, k, v = (a.reshape(B, T, H, K) for a in jnp.split(qkv, 3, axis=-1))
-        g = kernels_pallas.kda_gate(f.reshape(B, T, H, K), A_log, dt_bias, lower_bound=cfg.gate_lower_bound)
-        beta = jax.nn.sigmoid(b_logits)
-
-        args = dict(initial_state=cache["state"], lengths=n_new, use_qk_l2norm=True)
-        if T <= RECURRENT_MAX_T:
-            o, state = kernels_pallas.kda_recurrent(q, k, v, g, beta, **args)
-        else:
-            o, state = kernels_pallas.kda_chunk(q, k, v, g, beta, backend=backend, **args)
-
-        o = rms_normalize(o.astype(F32), cfg.rms_norm_eps) * o_norm
-        o = o * jax.nn.sigmoid(gate.astype(F32).reshape(B, T, H, K))
-        out = dense(cfg.hidden_size, "o_proj", cfg)(o.reshape(B, T, P).astype(cfg.jnp_dtype))
-        return out, {"state": state, "conv": conv_state}
+        p = kda_weights(self, cfg)
+        if self.is_initializing():
+            return kda_apply(cfg, p, x, cache, n_new, backend)
+        from sharding.kda import kda_sharded, kda_tensor_axis
+        if kda_tensor_axis(cfg, jax.sharding.get_abstract_mesh()) is not None:
+            return kda_sharded(cfg, p, x, cache, n_new, backend)
+        return kda_apply(cfg, p, x, cache, n_new, backend)
