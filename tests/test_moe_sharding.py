@@ -125,11 +125,14 @@ def test_model_moe_on_a_mesh_matches_one_device(tiny_greedy, name):
     assert up_spec == (P(None, "tensor") if sharded.cfg.moe_dedup and "tensor" in axes else P(None, None))
     ep = axes.get("expert", 1)
     assert moe["experts"]["w1_packed"].addressable_shards[0].data.shape[0] == model.cfg.num_experts // ep
-    # every MoE layer runs in shard_map (not through XLA's partitioner)
+    # every MoE layer runs in shard_map (not through XLA's partitioner); so do the KDA layers
+    # when the tensor axis splits their heads (sharding/kda.py)
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(lambda p, t: kimik3.KimiLM(sharded.cfg).apply({"params": p}, t))(
             sharded.params, np.zeros((1, 4), np.int32))
-    assert sum(e.primitive.name == "shard_map" for e in jaxpr.eqns) == model.cfg.num_moe_layers
+    from sharding.kda import kda_tensor_axis
+    kda = len(model.cfg.kda_layers) if kda_tensor_axis(model.cfg, mesh) else 0
+    assert sum(e.primitive.name == "shard_map" for e in jaxpr.eqns) == model.cfg.num_moe_layers + kda
     last, _ = kimik3.prefill(sharded, prompts, 64, mesh=mesh)
     assert _rel(last, tiny_greedy.last) < 1e-5
     got = kimik3.generate(sharded, prompts, max_new_tokens=8, stop_tokens=[], max_seq_len=64, mesh=mesh)
