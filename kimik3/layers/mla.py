@@ -60,6 +60,22 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes):
                      check_vma=False)(q_lat, q_rope, cache, start, n_new)
 
 
+def per_head_shards(fn, head_args, shared_args, num_heads):
+    """fn(*head_args, *shared_args) -> [B, T, H, X], run per tensor rank's heads in shard_map when
+    the ambient mesh's tensor axis divides the heads (head_args split on their axis 2, shared_args
+    replicated): a Pallas kernel is a custom call XLA's partitioner cannot split by heads."""
+    from jax import shard_map
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.get_abstract_mesh()
+    t = 1 if mesh.empty else mesh.shape.get("tensor", 1)
+    if t == 1 or num_heads % t:
+        return fn(*head_args, *shared_args)
+    heads = P(None, None, "tensor", None)
+    return shard_map(fn, mesh=mesh, in_specs=(heads,) * len(head_args) + (P(),) * len(shared_args),
+                     out_specs=heads, check_vma=False)(*head_args, *shared_args)
+
+
 def _softmax_attend(scores, mask, values_fn):
     scores = jnp.where(mask, scores.astype(F32), MASKED)
     p = jax.nn.softmax(scores, axis=-1)
@@ -133,8 +149,11 @@ class MLA(nn.Module):
 
         if use_kernel:  # one-token decode: the Pallas flash-decoding kernel reads the pages directly
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
-            o_lat, _ = mla_decode(jnp.concatenate([q_lat, q_rope], -1).astype(dt), latent, table,
-                                  (start + n_new).astype(jnp.int32), scale=scale, backend=backend)
+            o_lat = per_head_shards(
+                lambda q, latent, table, lengths: mla_decode(q, latent, table, lengths, scale=scale,
+                                                             backend=backend)[0],
+                (jnp.concatenate([q_lat, q_rope], -1).astype(dt),),
+                (latent, table, (start + n_new).astype(jnp.int32)), H)
             o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
         elif dcp_axes:
             pass  # computed above
@@ -152,7 +171,9 @@ class MLA(nn.Module):
             k = jnp.concatenate([k_nope, jnp.broadcast_to(entries[:, :, None, R:], (B, T, H, dr))], -1)
             qk = jnp.concatenate([q_nope, q_rope], -1)
             if (dn + dr, dv) == (QK_DIM, V_DIM):  # the Pallas flash-attention kernel's shapes
-                o = mla_prefill(qk, k, v, n_new, scale=scale, backend=backend)
+                o = per_head_shards(lambda qk, k, v, n: mla_prefill(qk, k, v, n, scale=scale,
+                                                                    backend=backend),
+                                    (qk, k, v), (n_new,), H)
             else:
                 o, _ = mla_prefill_chunked(qk, k, v, n_new, scale=scale)
         else:  # expanded form

@@ -1,6 +1,7 @@
-"""KDA under tensor parallelism (sharding/kda.py): each rank runs its heads in shard_map, the
-recurrent state stays split over `tensor`, and the results are the one-device ones, with the
-plain-JAX recurrence and with the Pallas kernels (interpret mode) inside the shard_map."""
+"""Attention layers under tensor parallelism run per rank's heads in shard_map: KDA
+(sharding/kda.py: the recurrent state stays split over `tensor`) and the MLA kernels; the results
+are the one-device ones, with the plain-JAX paths and with the Pallas kernels (interpret mode)
+inside the shard_map."""
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,6 +36,21 @@ def test_pallas_kda_kernels_inside_the_shard_map(tiny_models):
     placed = sharding.place_model(model, mesh)
     last, _ = kimik3.prefill(placed, prompts, 32, mesh=mesh, backend="interpret")
     assert np.max(np.abs(np.asarray(last - want_last))) / np.max(np.abs(np.asarray(want_last))) < 1e-5
+    got = kimik3.generate(placed, prompts, max_new_tokens=3, stop_tokens=[], max_seq_len=32, mesh=mesh,
+                          backend="interpret")
+    assert got == want
+
+
+def test_mla_kernels_per_rank_heads():
+    """The MLA decode kernel (real 576-wide cache) under TP2 without DCP runs per rank's heads in
+    shard_map (kimik3/layers/mla.py per_head_shards); greedy tokens equal one device's."""
+    cfg = kimik3.Config.preset("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=64)
+    model = kimik3.init(cfg, seed=0)
+    prompts = [list(range(3, 13)), [7, 8, 9]]
+    want = kimik3.generate(model, prompts, max_new_tokens=3, stop_tokens=[], max_seq_len=32,
+                           backend="interpret")
+    mesh = sharding.make_mesh(tensor=2)
+    placed = sharding.place_model(model, mesh)
     got = kimik3.generate(placed, prompts, max_new_tokens=3, stop_tokens=[], max_seq_len=32, mesh=mesh,
                           backend="interpret")
     assert got == want
