@@ -8,7 +8,7 @@ kernel configurations x (16 heads; B 1 / 16 / 64; 32K / 128K; bf16 and fp8 cache
     MLA_BENCH_SKIP_CHECKS=1 leaves out the correctness checks, for a second call.)
     MLA_BENCH_DRY=1 ...     tiny interpret-mode run on CPU (checks the script, no timings)
     MLA_BENCH_LOWER=1 ...   lower every swept (shape, config) for CUDA on CPU through
-                            .tools/lower_check.py (Pallas -> Triton IR with an H200 gpu_info)
+                            kernels_pallas/gpu_lowering.py (Pallas -> Triton IR with an H200 gpu_info)
     Results and their reading: benchmarks/results_mla.md.
 
 1. Copy bandwidth of this GPU, in this run: torch `dst.copy_(src)` (2 GiB bf16, CUDA events, in a
@@ -153,8 +153,7 @@ def full_cfg(B, ctx, dtype, cfg):
 
 # ---------------------------------------------------------------- lowering check (CPU)
 if LOWER:
-    sys.path.insert(0, os.path.join(_ROOT, ".tools"))
-    import lower_check  # noqa: E402
+    from kernels_pallas.gpu_lowering import lower_for_gpu  # noqa: E402
 
     n_ok = n_bad = 0
     for dtype in DTYPES:
@@ -164,10 +163,10 @@ if LOWER:
                 fc = full_cfg(B, ctx, dtype, cfg)
                 try:
                     if cs is None:
-                        lower_check.lower_cuda(lambda q, c, p, l: mla_decode(
+                        lower_for_gpu(lambda q, c, p, l: mla_decode(
                             q, c, p, l, scale=SCALE, backend="pallas", **cfg), q, cache, pt, ln)
                     else:
-                        lower_check.lower_cuda(lambda q, c, p, l, s: mla_decode(
+                        lower_for_gpu(lambda q, c, p, l, s: mla_decode(
                             q, c, p, l, scale=SCALE, backend="pallas", cache_scale=s, **cfg),
                             q, cache, pt, ln, cs)
                     n_ok += 1

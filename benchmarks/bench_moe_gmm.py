@@ -5,7 +5,7 @@ the copy-bandwidth and dense-matmul ceilings measured in the same process. One d
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_moe_gmm.py  # H200: $OUT/moe_gmm.json
   PYTHONPATH=. python benchmarks/bench_moe_gmm.py --cpu-smoke    # here: tiny shapes, interpret
   PYTHONPATH=. python benchmarks/bench_moe_gmm.py --lower-check  # here: lower every swept kernel
-                          # for CUDA (H200 gpu_info, .tools/lower_check.py) to Triton IR
+                          # for CUDA (H200 gpu_info, kernels_pallas/gpu_lowering.py) to Triton IR
 
 Sections (env BENCH_SECTIONS, comma separated; default "ceil,decode,prefill"):
   ceil     torch copy bandwidth (read + write) and bf16 8192^3 matmul; JAX x*2 and matmul.
@@ -583,7 +583,6 @@ if __name__ == "__main__":
     ap.add_argument("--lower-check", action="store_true")
     a = ap.parse_args()
     if a.lower_check:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".tools"))
-        from lower_check import lower_cuda  # noqa: E402
+        from kernels_pallas.gpu_lowering import lower_for_gpu as lower_cuda  # noqa: E402
         sys.exit(1 if lower_check(lower_cuda) else 0)
     run_bench(a)

@@ -20,29 +20,9 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.gpu_lowering import triton_ir
+
 SD = jax.ShapeDtypeStruct
-
-
-def _capture_triton_ir(fn, args, platform):
-    """Triton IR text of every pallas_call in fn(*args), lowered for `platform` (cuda | rocm)."""
-    from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration as pcr
-
-    info = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
-    captured = []
-    orig_info, orig_lower = pcr.gpu_info_lib.get_gpu_info, pcr.lowering.lower_jaxpr_to_triton_module
-
-    def hook(*a, **kw):
-        r = orig_lower(*a, **kw)
-        captured.append(r.module.operation.get_asm(enable_debug_info=False))
-        return r
-    pcr.gpu_info_lib.get_gpu_info, pcr.lowering.lower_jaxpr_to_triton_module = (lambda: info), hook
-    try:
-        jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    finally:
-        pcr.gpu_info_lib.get_gpu_info, pcr.lowering.lower_jaxpr_to_triton_module = orig_info, orig_lower
-    del lowering
-    return captured
 
 
 def _compile(ttir: str, target: str, num_warps: int, num_stages: int):
@@ -138,7 +118,7 @@ def main():
             for target in targets:
                 platform = "cuda" if target.startswith("sm_") else "rocm"
                 if platform not in by_platform:
-                    by_platform[platform] = _capture_triton_ir(fn, args, platform)
+                    by_platform[platform] = triton_ir(fn, *args, platform=platform)
                 irs = by_platform[platform]
                 assert len(irs) == len(launches), (name, len(irs))
                 for i, (ttir, (nw, ns)) in enumerate(zip(irs, launches)):

@@ -171,3 +171,29 @@ def test_chunk_two_level_scan(T, groups, dt, lengths):
     ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=True)
     assert rel(o, ro) < tol(dt) and rel(s, rs) < tol(dt), (rel(o, ro), rel(s, rs))
     assert auto_scan_groups(1, 16, 128, 512) > 1 and auto_scan_groups(8, 96, 128, 64) == 1
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_kda_kernels_lower_for_gpu(platform):
+    """The chunk (plain and two-level scan), decode and verify kernels lower to Triton IR for an
+    H200 / AMD target at K3's per-rank shapes (no GPU needed)."""
+    from kernels_pallas.gpu_lowering import lower_for_gpu
+    from kernels_pallas.kda.decode import kda_decode_pallas
+    from kernels_pallas.kda.verify import kda_verify_pallas
+    from kernels_pallas.kda.chunk_pallas import kda_chunk_pallas
+    sd = jax.ShapeDtypeStruct
+    B, T, H, K = 1, 8192, 16, 128
+    args = (sd((B, T, H, K), jnp.bfloat16),) * 3 + (sd((B, T, H, K), F32), sd((B, T, H), jnp.bfloat16),
+                                                     sd((B, H, K, K), F32))
+    for cfg in (ChunkConfig(), ChunkConfig(scan_groups=0)):
+        lower_for_gpu(lambda q, k, v, g, b, s, cfg=cfg: kda_chunk_pallas(
+            q, k, v, g, b, initial_state=s, use_qk_l2norm=True, config=cfg), *args, platform=platform)
+    P = H * K
+    dec = [sd((4, 3 * P), jnp.bfloat16), sd((4, 3, 3 * P), jnp.bfloat16), sd((3 * P, 4), F32),
+           sd((4, P), jnp.bfloat16), sd((H,), F32), sd((P,), F32), sd((4, H), jnp.bfloat16),
+           sd((4, P), jnp.bfloat16), sd((K,), F32), sd((4, H, K, K), F32)]
+    lower_for_gpu(lambda *a: kda_decode_pallas(*a, num_heads=H, lower_bound=-5.0), *dec,
+                  platform=platform)
+    ver = tuple(sd(s.shape[:1] + (4,) + s.shape[2:], s.dtype) for s in args[:5]) + (args[5],)
+    lower_for_gpu(lambda q, k, v, g, b, s: kda_verify_pallas(q, k, v, g, b, s, use_qk_l2norm=True),
+                  *ver, platform=platform)

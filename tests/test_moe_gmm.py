@@ -1,6 +1,6 @@
 """kernels_pallas.moe_gmm: the Pallas kernel (interpret mode) against the plain-JAX reference
 (ragged_dot on dequantised weights), exact MXFP4 decoding from hand-built bytes for every dequant
-variant, and (with .tools/lower_check.py) the lowering of every benchmarked kernel for an H200."""
+variant, and (kernels_pallas.gpu_lowering) the lowering of every benchmarked kernel for an H200."""
 import importlib.util
 import pathlib
 
@@ -278,14 +278,10 @@ def test_default_config_runs_in_interpret_mode():
     assert _rel(y, moe_gmm_glu(x, w1, w3, gs, backend="reference")) < 2e-2
 
 
-def test_benchmark_sweep_lowers_for_h200(monkeypatch):
+def test_benchmark_sweep_lowers_for_h200():
     """Every kernel the benchmark sweeps (each dequant variant and block config, MXFP4 decode at 64
     and 512 tokens, bf16 decode and prefill at K3 shapes) lowers to Triton IR for an H200."""
-    from test_mla_kernels import _lower_check  # .tools/lower_check.py, its patch undone
-
-    lc, pcr, patched = _lower_check()
-    lower_cuda = lc.lower_cuda
-    monkeypatch.setattr(pcr.gpu_info_lib, "get_gpu_info", patched)
+    from kernels_pallas.gpu_lowering import lower_for_gpu as lower_cuda
     path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe_gmm.py"
     spec = importlib.util.spec_from_file_location("_bench_moe_gmm", path)
     bench = importlib.util.module_from_spec(spec)
