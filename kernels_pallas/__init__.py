@@ -2,7 +2,10 @@
 
 Imports nothing from kimik3/, sharding/ or serve/.
 """
+from . import _triton_offsets
 from ._backend import BACKENDS, resolve_backend
+
+_triton_offsets.apply()  # before any kernel lowers: int32 offsets wrap on 2-4 GiB uint8/fp8 arrays
 from .kda import (kda_chunk, kda_chunk_reference, kda_decode, kda_decode_reference, kda_gate,
                   kda_recurrent, kda_verify, kda_verify_reference, l2norm)
 
