@@ -69,7 +69,8 @@ default backend fails on the mesh, the row is retried with backend="reference" a
 Knobs (environment): OUT, BENCH_BUDGET_S, BENCH_CONTEXTS, BENCH_BATCH (8), BENCH_STEPS (8),
 BENCH_REPS (3), BENCH_MOE_TOKENS (8,256), BENCH_MOE_CTX (4096), BENCH_LAYERS, BENCH_BACKEND
 (default: the library's, Pallas on GPU), BENCH_CHECK_BACKEND, BENCH_CHECK_EXPERTS, BENCH_DCP_REF,
-BENCH_SMOKE.
+BENCH_SMOKE, BENCH_SECTIONS (comma list of correctness, owned_rows, dcp, moe_dedup, timed_check;
+default all: a re-run can skip what an earlier run measured).
 """
 from __future__ import annotations
 
@@ -124,6 +125,7 @@ LAYERS = tuple(os.environ.get("BENCH_LAYERS", "kda,mla" if SMOKE else "kda,kda,m
 BACKEND = os.environ.get("BENCH_BACKEND") or None
 CHECK_BACKEND = os.environ.get("BENCH_CHECK_BACKEND", "reference")
 DCP1_REFERENCE = os.environ.get("BENCH_DCP_REF") == "1"  # also time dcp1 with the plain-JAX backend
+SECTIONS = set(os.environ.get("BENCH_SECTIONS", "correctness,owned_rows,dcp,moe_dedup,timed_check").split(","))
 CHECK_SEQ, CHECK_NEW, CHECK_TOL = 64, 8, 1e-3
 # The verdict pass's expert count: its plain-JAX MoE dequantises every expert to fp32 at once (896
 # K3 experts: ~40 GB per weight on the one-device reference), so it keeps K3's expert shapes but
@@ -610,7 +612,10 @@ def table():
              f"{RESULTS['elapsed_s']}s"]
     c = RESULTS.get("correctness", {})
     v = c.get("verdict_pass", {})
-    lines.append(f"correctness (fp32, {v.get('backend')}): {'EQUAL' if c.get('equal') else 'NOT EQUAL'}  {_pass_line(v)}")
+    if "correctness" in SECTIONS:
+        lines.append(f"correctness (fp32, {v.get('backend')}): {'EQUAL' if c.get('equal') else 'NOT EQUAL'}  {_pass_line(v)}")
+    else:
+        lines.append("correctness: not run (BENCH_SECTIONS)")
     if c.get("timed_config_pass"):
         t = c["timed_config_pass"]
         lines.append(f"  timed config ({t['dtype']}, {t['backend']}; informational): {_pass_line(t)}")
@@ -657,37 +662,44 @@ def main():
         f"budget {BUDGET_S:.0f}s")
     save()
 
-    log(f"[1] correctness: one device vs TP{n} vs TP{n} + DCP{n}")
     RESULTS["correctness"] = corr = {}
-    model = guarded(corr, correctness, cfg, mesh, corr)
-    corr.setdefault("equal", False)
-    save()
-    gc.collect()
+    model = None
+    if "correctness" in SECTIONS:
+        log(f"[1] correctness: one device vs TP{n} vs TP{n} + DCP{n}")
+        model = guarded(corr, correctness, cfg, mesh, corr)
+        corr.setdefault("equal", False)
+        save()
+        gc.collect()
     if model is None:
         model = kimik3.init(cfg, seed=0, mesh=mesh)
     jax.block_until_ready(model.params)
 
-    log("[4] owned rows: parameter bytes per GPU with and without MoE dedup")
-    RESULTS["owned_rows"] = sec = {}
-    guarded(sec, owned_rows, model, mesh, sec)
-    save()
+    if "owned_rows" in SECTIONS:
+        log("[4] owned rows: parameter bytes per GPU with and without MoE dedup")
+        RESULTS["owned_rows"] = sec = {}
+        guarded(sec, owned_rows, model, mesh, sec)
+        save()
 
-    log(f"[2] DCP: TP{n} vs TP{n} + DCP{n}, batch {BATCH}")
-    RESULTS["dcp"] = dcp = {"batch": BATCH, "contexts": CONTEXTS}
-    est = (guarded(dcp, dcp_context, model, mesh, CONTEXTS[0], dcp, 0.0) or 0.0) if CONTEXTS else 0.0
+    contexts = CONTEXTS if "dcp" in SECTIONS else []
+    est = 0.0
+    if contexts:
+        log(f"[2] DCP: TP{n} vs TP{n} + DCP{n}, batch {BATCH}")
+        RESULTS["dcp"] = dcp = {"batch": BATCH, "contexts": contexts}
+        est = guarded(dcp, dcp_context, model, mesh, contexts[0], dcp, 0.0) or 0.0
 
-    log(f"[3] MoE dedup under TP{n}")
-    RESULTS["moe_dedup"] = sec = {}
-    guarded(sec, moe_dedup, model, mesh, sec, est)
-    save()
+    if "moe_dedup" in SECTIONS:
+        log(f"[3] MoE dedup under TP{n}")
+        RESULTS["moe_dedup"] = sec = {}
+        guarded(sec, moe_dedup, model, mesh, sec, est)
+        save()
 
-    if len(CONTEXTS) > 1:
+    if len(contexts) > 1:
         log("[2] DCP, longer contexts")
-    for ctx in CONTEXTS[1:]:
+    for ctx in contexts[1:]:
         est = guarded(dcp, dcp_context, model, mesh, ctx, dcp, est * 1.25) or est
     save()
 
-    if not timed_is_checked(cfg):
+    if "timed_check" in SECTIONS and not timed_is_checked(cfg):
         log("[1b] correctness of the timed config (informational)")
         del model
         gc.collect()

@@ -24,3 +24,15 @@ def triton_params(num_warps: int = 4, num_stages: int = 2):
     from jax.experimental.pallas import triton as plgpu
 
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+H200_SMS = 132  # the default where no GPU is visible (CPU tests, offline lowering): an H200
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors (compute units on AMD) of the first device, for the shape-based
+    choices that aim at filling the GPU (split counts, tile widths)."""
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0) or H200_SMS)
+    except RuntimeError:  # no backend
+        return H200_SMS

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._backend import triton_params
+from .._backend import num_sms, triton_params
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -296,7 +296,8 @@ def _out_kernel(len_ref, q_ref, G_ref, rq_ref, a_ref, h_ref, vn_ref, o_ref, *,
     o_ref[...] = jnp.where(valid[:, None], o, 0.0).astype(o_ref.dtype)
 
 
-def _pick_block_v(B, H, V, n_sm=132):
+def _pick_block_v(B, H, V, n_sm=None):
+    n_sm = n_sm or num_sms()
     for bv in (64, 32, 16):
         if V % bv == 0 and B * H * (V // bv) >= 2 * n_sm:
             return bv
@@ -414,11 +415,12 @@ def _group_starts(P, Q, h0, groups):
     return starts.swapaxes(0, 1).reshape(BG, H, K, V), final
 
 
-def auto_scan_groups(B, H, V, n_chunks, n_sm=132, min_chunks=8):
+def auto_scan_groups(B, H, V, n_chunks, n_sm=None, min_chunks=8):
     """Groups for the two-level scan when B * H sequential programs leave the GPU idle: the
     smallest power of two that gives >= 2 programs per SM (32 value columns a program), keeping
     >= `min_chunks` chunks a group; 1 (plain sequential scan) when the batch fills the GPU.
-    A cost model, not yet timed on a GPU (results_kda.md)."""
+    A cost model, not yet timed on a GPU (results_kda.md). n_sm: the device's SM count."""
+    n_sm = n_sm or num_sms()
     groups = 1
     while (B * H * groups * max(V // 32, 1) < 2 * n_sm
            and n_chunks // (groups * 2) >= min_chunks):
