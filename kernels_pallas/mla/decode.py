@@ -72,7 +72,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .softmax import online_softmax_step
-from .._backend import num_sms, resolve_backend, triton_params
+from .._backend import num_sms as device_sms, resolve_backend, triton_params
 from .reference import CACHE_DIM, LATENT, ROPE, merge_stacked, mla_decode_reference
 
 _LOG2E = math.log2(math.e)
@@ -137,7 +137,7 @@ def choose_num_splits(batch: int, n_hblk: int, capacity: int, block_k: int, *, r
     nblk = max(1, -(-capacity // block_k))
     base = max(1, batch * n_hblk)
     if policy == "fill":
-        target = 2 * (num_sms or num_sms())
+        target = 2 * (num_sms or device_sms())
         splits = max(1, -(-target // base))
         return max(1, min(splits, max(1, capacity // 256), nblk))
     if policy != "waves":
@@ -190,7 +190,7 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
         block_k, num_warps, num_stages = 64, 4, (3 if paged else 2)
     else:
         block_k, num_warps, num_stages = 32, 8, 3
-    sms = num_sms or num_sms()
+    sms = num_sms or device_sms()
     slots = sms * programs_per_sm(block_h, block_k, num_warps, num_stages, itemsize, fp8_upcast)
     splits = choose_num_splits(batch, n_hblk, capacity, block_k, rows_p=n_hblk * block_h,
                                slots=slots, itemsize=itemsize, num_sms=sms)
@@ -437,7 +437,7 @@ def resolve_config(q_shape, cache_shape, cache_dtype, page_table_shape, *, num_s
             raise ValueError(f"num_splits={policy!r}: an int or one of {SPLIT_POLICIES}")
         rows = Tq * Hq
         n_hblk = -(-rows // cfg["block_h"])
-        sms = num_sms or num_sms()
+        sms = num_sms or device_sms()
         slots = sms * programs_per_sm(cfg["block_h"], cfg["block_k"], cfg["num_warps"],
                                       cfg["num_stages"], itemsize, fp8_upcast)
         cfg["num_splits"] = choose_num_splits(
