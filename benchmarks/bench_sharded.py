@@ -380,7 +380,7 @@ def mla_path(cfg, backend, dcp_axes):
     if dcp_axes:
         return "jnp absorbed attention per DCP shard (shard_map) + log-sum-exp merge"
     if resolve_backend(backend) != "reference" and cfg.mla_cache_dim == CACHE_DIM:
-        return f"{resolve_backend(backend)} flash-decoding kernel (outside shard_map: XLA partitions it)"
+        return f"{resolve_backend(backend)} flash-decoding kernel on each rank's heads (shard_map)"
     return "jnp absorbed attention (XLA-partitioned)"
 
 
