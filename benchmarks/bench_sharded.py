@@ -48,8 +48,8 @@ every section and every measured row):
                steps (tokens fed back on device) is compiled ahead (lower().compile(), compile
                time reported apart), called once to warm up, then called BENCH_REPS times back to
                back; step time = wall time of those calls up to block_until_ready / (reps *
-               steps). The MLA attention that ran is recorded (DCP has no Pallas path: jnp
-               attention per shard in shard_map plus a log-sum-exp merge). "summary": per context
+               steps). The MLA attention that ran is recorded (under DCP: the flash-decoding kernel
+               on each shard's positions in shard_map plus a log-sum-exp merge). "summary": per context
                the cache ratio, both step times, the speedup, the time saved per MLA layer.
   moe_dedup    (item 3) one MoE layer (the model's first, weights placed by place_moe_params)
                with Config.moe_dedup True vs False under TPn: per-layer time (a jitted fori_loop
@@ -377,9 +377,11 @@ def timed(compiled, args, feed_back):
 
 
 def mla_path(cfg, backend, dcp_axes):
+    kernel = resolve_backend(backend) != "reference" and cfg.mla_cache_dim == CACHE_DIM
     if dcp_axes:
-        return "jnp absorbed attention per DCP shard (shard_map) + log-sum-exp merge"
-    if resolve_backend(backend) != "reference" and cfg.mla_cache_dim == CACHE_DIM:
+        return (f"{resolve_backend(backend)} flash-decoding kernel" if kernel else "jnp absorbed attention") + (
+            " per DCP shard (shard_map) + log-sum-exp merge")
+    if kernel:
         return f"{resolve_backend(backend)} flash-decoding kernel on each rank's heads (shard_map)"
     return "jnp absorbed attention (XLA-partitioned)"
 

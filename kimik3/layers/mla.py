@@ -24,12 +24,16 @@ def mla_cache_shapes(cfg, batch: int, max_seq_len: int):
     return {"latent": ((batch, max_seq_len, cfg.mla_cache_dim), cfg.jnp_dtype)}
 
 
-def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes):
+def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=None):
     """Absorbed MLA attention with the cache's positions split over `dcp_axes` (decode context
     parallelism). Queries are gathered to every rank (replicated in_spec), each rank attends its
     own slice of every sequence's history, and the partial results merge exactly through their
     log-sum-exp: a global max (pmax), then sums of rescaled numerators and denominators (psum).
-    A rank with no visible key contributes exp(MASKED - max) = 0."""
+    A rank with no visible key contributes weight 0.
+
+    One-token decode on a 576-wide cache with a kernel backend runs the Pallas flash-decoding
+    kernel on the rank's slice (its (o, lse) merged the same way); verify (T > 1) and the reference
+    backend attend in plain JAX."""
     from jax import shard_map
     from jax.sharding import PartitionSpec as P
 
@@ -40,6 +44,7 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes):
                          "made with init_cache(..., mesh=...))")
     R = q_lat.shape[-1]
     T = q_lat.shape[1]
+    use_kernel = T == 1 and resolve_backend(backend) != "reference" and cache.shape[-1] == CACHE_DIM
 
     def local(q_lat, q_rope, keys, start, n_new):
         S_loc = keys.shape[1]
@@ -56,7 +61,21 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes):
         num = jax.lax.psum(jnp.einsum("bhts,bsc->bthc", p, keys[..., :R].astype(F32), precision=HIGHEST), dcp_axes)
         return (num / jnp.moveaxis(denom, 1, 2)[..., None]).astype(q_lat.dtype)
 
-    return shard_map(local, mesh=mesh, in_specs=(P(), P(), P(None, dcp_axes, None), P(), P()), out_specs=P(),
+    def local_kernel(q_lat, q_rope, keys, start, n_new):
+        B, S_loc = keys.shape[:2]
+        # this rank's keys are positions off .. off + S_loc - 1; one query sees positions < start + n_new
+        off = jax.lax.axis_index(dcp_axes) * S_loc
+        lengths = jnp.clip(start + n_new - off, 0, S_loc).astype(jnp.int32)
+        o, lse = mla_decode(jnp.concatenate([q_lat, q_rope], -1), keys, jnp.arange(B, dtype=jnp.int32)[:, None],
+                            lengths, scale=scale, backend=backend, out_dtype=F32)
+        top = jax.lax.pmax(lse, dcp_axes)                          # [B, 1, H]; -inf: no key anywhere
+        w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # 0 on a rank with no key
+        denom = jax.lax.psum(w, dcp_axes)
+        num = jax.lax.psum(o * w[..., None], dcp_axes)
+        return (num / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(q_lat.dtype)
+
+    return shard_map(local_kernel if use_kernel else local, mesh=mesh,
+                     in_specs=(P(), P(), P(None, dcp_axes, None), P(), P()), out_specs=P(),
                      check_vma=False)(q_lat, q_rope, cache, start, n_new)
 
 
@@ -138,7 +157,8 @@ class MLA(nn.Module):
                 if page_table is not None:
                     raise ValueError("decode context parallelism works on the contiguous cache, not pages")
                 q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
-                o_lat = dcp_attention(q_lat.astype(dt), q_rope.astype(dt), latent, start, n_new, scale, dcp_axes)
+                o_lat = dcp_attention(q_lat.astype(dt), q_rope.astype(dt), latent, start, n_new, scale, dcp_axes,
+                                      backend=backend)
                 o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
             elif not use_kernel:
                 keys = latent[table].reshape(B, S, R + dr)
