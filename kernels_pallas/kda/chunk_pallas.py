@@ -12,6 +12,8 @@ Chunks of C = 64 tokens, sub-blocks of 16. Five launches, each small enough to s
      at the first row of the later block, so both factors are <= 1 for any gate), looping over key
      tiles; then T = (I + L)^-1 in fp32 (forward substitution on the diagonal blocks, block
      substitution for the rest) and only the finished T rounded to the operand dtype.
+     `ChunkConfig.split_inverse`: the same as two launches (`_offdiag_kernel` storing L in fp32,
+     then `_inverse_kernel`), each with fewer live registers.
   3. `_wu_kernel`     (chunk, b, h): W = T diag(beta) (K exp G), U = T diag(beta) V,
      Kg = K exp(G_C - G), exp(G_C): 64-row matmuls.
   4. `_state_kernel`  (b, h, V-tile), sequential over chunks with the fp32 state in registers:
@@ -63,6 +65,10 @@ class ChunkConfig:
     # two-level scan over this many runs of chunks; 0 = `auto_scan_groups` by shape (the default
     # since it was timed: B1 T32768 H16 on the H200, 8 groups 4.13 ms vs 5.18 ms sequential)
     scan_groups: int = 0
+    # launch 2 as two: off-diagonal blocks (L stored in fp32), then the inverse (its own warps);
+    # the fused launch uses 255 registers and spills on sm_90 (results_kda.md). Off until timed.
+    split_inverse: bool = False
+    num_warps_inverse: int = 8  # 139 registers, no spills on sm_90 (2 or 4 warps: 255 and spills)
 
 
 def _is_pow2(n: int) -> bool:
@@ -157,19 +163,14 @@ def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_
 # ----------------------------------------------------------------------------------------------
 # 2. off-diagonal blocks + fp32 inverse
 # ----------------------------------------------------------------------------------------------
-def _inter_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, akd_ref,
-                  a_ref, t_ref, *, scale, block_k, op_dtype, prec_mm):
-    n = pl.program_id(0)
-    length = len_ref[...]
+def _offdiag_blocks(n, length, q_ref, k_ref, G_ref, rq_ref, rk_ref, block_k, prec_mm):
+    """The off-diagonal 16x16 blocks (i > j) of Q K^T and K K^T with decay, fp32, looping over
+    key tiles: dicts (i, j) -> [SB, SB]; and the sub-blocks' valid-row masks."""
     K = q_ref.shape[-1]
-    ri = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 0)
-    rvec = jax.lax.broadcasted_iota(jnp.int32, (SB,), 0)
-    eye = (ri == jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 1)).astype(F32)
     valid = [_valid_rows(length, n * C + i * SB, SB) for i in range(NSB)]
     rows = [slice(i * SB, (i + 1) * SB) for i in range(NSB)]
     rq = [rq_ref[r] for r in rows]
     rk = [rk_ref[r] for r in rows]
-
     z = jnp.zeros((SB, SB), F32)
     Aq = {(i, j): z for i in range(1, NSB) for j in range(i)}
     Ak = dict(Aq)
@@ -186,10 +187,17 @@ def _inter_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, 
                 kt_j = ks[j] * jnp.exp(gn - Gs[j])    # <= 1
                 Aq[i, j] = Aq[i, j] + _dot(qe, kt_j, prec_mm, trans_b=True)
                 Ak[i, j] = Ak[i, j] + _dot(ke, kt_j, prec_mm, trans_b=True)
+    return Aq, Ak, valid
 
-    beta = [jnp.where(valid[i], b_ref[rows[i]].astype(F32), 0.0) for i in range(NSB)]
-    L = {(i, j): Ak[i, j] * beta[i][:, None] for (i, j) in Ak}
-    # forward substitution on the four diagonal blocks at once (independent chains interleave)
+
+def _invert(L, akd_ref):
+    """T = (I + L)^-1 in fp32 from L's off-diagonal blocks (dict (i, j) -> [SB, SB], i > j) and
+    its diagonal blocks (akd_ref [C, SB], strictly lower): forward substitution on the four
+    diagonal blocks at once (independent chains interleave), block substitution for the rest."""
+    ri = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 0)
+    rvec = jax.lax.broadcasted_iota(jnp.int32, (SB,), 0)
+    eye = (ri == jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 1)).astype(F32)
+
     def fsub(r, Ts):
         out = []
         for i, Ti in enumerate(Ts):
@@ -206,18 +214,54 @@ def _inter_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, 
                 t = _dot(L[i, m], T[m, j], HIGHEST)
                 acc = t if acc is None else acc + t
             T[i, j] = -_dot(T[i, i], acc, HIGHEST)
+    return T
 
+
+def _store_lower(ref, blocks, diag=None):
+    """ref [C, C] <- the block-lower matrix of `blocks` ((i, j) -> [SB, SB], i > j; plus (i, i)
+    unless `diag` (a [C, SB] ref) gives the diagonal blocks), zeros above."""
+    z = jnp.zeros((SB, SB), F32)
     for i in range(NSB):
         for j in range(NSB):
-            cols = slice(j * SB, (j + 1) * SB)
-            if j < i:
-                a, t = Aq[i, j] * scale, T[i, j]
+            if j < i or (j == i and diag is None):
+                x = blocks[i, j]
             elif j == i:
-                a, t = aqd_ref[rows[i], :], T[i, i]
+                x = diag[i * SB:(i + 1) * SB, :]
             else:
-                a = t = z
-            a_ref[rows[i], cols] = a.astype(a_ref.dtype)
-            t_ref[rows[i], cols] = t.astype(t_ref.dtype)
+                x = z
+            ref[i * SB:(i + 1) * SB, j * SB:(j + 1) * SB] = x.astype(ref.dtype)
+
+
+def _beta_rows(b_ref, valid):
+    return [jnp.where(valid[i], b_ref[i * SB:(i + 1) * SB].astype(F32), 0.0) for i in range(NSB)]
+
+
+def _inter_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, akd_ref,
+                  a_ref, t_ref, *, scale, block_k, op_dtype, prec_mm):
+    Aq, Ak, valid = _offdiag_blocks(pl.program_id(0), len_ref[...], q_ref, k_ref, G_ref, rq_ref,
+                                    rk_ref, block_k, prec_mm)
+    beta = _beta_rows(b_ref, valid)
+    T = _invert({ij: Ak[ij] * beta[ij[0]][:, None] for ij in Ak}, akd_ref)
+    _store_lower(a_ref, {ij: x * scale for ij, x in Aq.items()}, diag=aqd_ref)
+    _store_lower(t_ref, T)
+
+
+def _offdiag_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, a_ref, l_ref, *,
+                    scale, block_k, prec_mm):
+    """Launch 2a of the split variant: A (as `_inter_kernel` stores it) and L's off-diagonal
+    blocks in fp32 (the inverse reads them back in launch 2b)."""
+    Aq, Ak, valid = _offdiag_blocks(pl.program_id(0), len_ref[...], q_ref, k_ref, G_ref, rq_ref,
+                                    rk_ref, block_k, prec_mm)
+    beta = _beta_rows(b_ref, valid)
+    _store_lower(a_ref, {ij: x * scale for ij, x in Aq.items()}, diag=aqd_ref)
+    L = {ij: Ak[ij] * beta[ij[0]][:, None] for ij in Ak}
+    _store_lower(l_ref, {**L, **{(i, i): jnp.zeros((SB, SB), F32) for i in range(NSB)}})
+
+
+def _inverse_kernel(l_ref, akd_ref, t_ref):
+    """Launch 2b of the split variant: T from L (off-diagonal blocks, fp32) and its diagonal."""
+    L = {(i, j): l_ref[i * SB:(i + 1) * SB, j * SB:(j + 1) * SB] for i in range(1, NSB) for j in range(i)}
+    _store_lower(t_ref, _invert(L, akd_ref))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,6 +391,35 @@ def _launch_inter(lens, q, k, G, beta, rq, rk, aqd, akd, *, scale, op_dtype, pre
         compiler_params=triton_params(num_warps=cfg.num_warps_inter, num_stages=1),
         interpret=interpret, name="kda_chunk_inter",
     )(lens, q, k, G, beta, rq, rk, aqd, akd)
+
+
+def _launch_offdiag(lens, q, k, G, beta, rq, rk, aqd, *, scale, op_dtype, prec_mm, cfg, interpret):
+    B, Tp, H, K = q.shape
+    tok, per, vec, beta_spec, length = _chunk_specs()
+    sds = jax.ShapeDtypeStruct
+    return pl.pallas_call(
+        functools.partial(_offdiag_kernel, scale=scale, block_k=cfg.block_k_inter, prec_mm=prec_mm),
+        grid=(Tp // C, B, H),
+        in_specs=[length, tok(K), tok(K), tok(K), beta_spec, vec, vec, per(SB)],
+        out_specs=[per(C), per(C)],
+        out_shape=(sds((B, H, Tp, C), op_dtype), sds((B, H, Tp, C), F32)),
+        compiler_params=triton_params(num_warps=cfg.num_warps_inter, num_stages=1),
+        interpret=interpret, name="kda_chunk_offdiag",
+    )(lens, q, k, G, beta, rq, rk, aqd)
+
+
+def _launch_inverse(L, akd, *, op_dtype, cfg, interpret):
+    B, H, Tp, _ = L.shape
+    _, per, _, _, _ = _chunk_specs()
+    return pl.pallas_call(
+        _inverse_kernel,
+        grid=(Tp // C, B, H),
+        in_specs=[per(C), per(SB)],
+        out_specs=per(C),
+        out_shape=jax.ShapeDtypeStruct((B, H, Tp, C), op_dtype),
+        compiler_params=triton_params(num_warps=cfg.num_warps_inverse, num_stages=1),
+        interpret=interpret, name="kda_chunk_inverse",
+    )(L, akd)
 
 
 def _launch_wu(lens, k, v, G, beta, rk, Tinv, *, op_dtype, prec_mm, cfg, interpret):
@@ -502,8 +575,14 @@ def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=No
     q, k, v, g, beta = run("pad", jax.jit(prepare), q, k, v, g, beta)
     G, aqd, akd, rq, rk = run("diag", j(_launch_diag, scale=scale, l2norm=use_qk_l2norm,
                                      safe_gate=safe_gate, **common), lens, q, k, g, beta)
-    A, Tinv = run("inter", j(_launch_inter, scale=scale, op_dtype=op_dtype, **common),
-                  lens, q, k, G, beta, rq, rk, aqd, akd)
+    if cfg.split_inverse:  # off-diagonal blocks, then the inverse, as two launches
+        A, L = run("offdiag", j(_launch_offdiag, scale=scale, op_dtype=op_dtype, **common),
+                   lens, q, k, G, beta, rq, rk, aqd)
+        Tinv = run("inverse", j(_launch_inverse, op_dtype=op_dtype, cfg=cfg, interpret=interpret),
+                   L, akd)
+    else:
+        A, Tinv = run("inter", j(_launch_inter, scale=scale, op_dtype=op_dtype, **common),
+                      lens, q, k, G, beta, rq, rk, aqd, akd)
     w, u, kg, ec = run("wu", j(_launch_wu, op_dtype=op_dtype, **common),
                        lens, k, v, G, beta, rk, Tinv)
     state = lambda **kw: j(_launch_state, op_dtype=op_dtype, groups=groups, **kw, **common)
