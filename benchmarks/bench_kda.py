@@ -190,11 +190,13 @@ def fla():
 
 def chunk_configs():
     """BENCH_CHUNK_CONFIGS: ';'-separated ChunkConfig overrides, e.g.
-    "block_k_inter=64,num_warps_inter=8;block_v_state=32" (the default config always runs first)."""
+    "block_k_inter=64,num_warps_inter=8;diag_inverse=product" (the default config always runs
+    first; values that are not integers are passed as strings)."""
     from kernels_pallas.kda.chunk_pallas import ChunkConfig
     cfgs = [ChunkConfig()]
     for item in filter(None, os.environ.get("BENCH_CHUNK_CONFIGS", "").split(";")):
-        cfgs.append(ChunkConfig(**{kv.split("=")[0]: int(kv.split("=")[1]) for kv in item.split(",")}))
+        kv = dict(pair.split("=") for pair in item.split(","))
+        cfgs.append(ChunkConfig(**{k: int(v) if v.lstrip("-").isdigit() else v for k, v in kv.items()}))
     return cfgs
 
 

@@ -176,7 +176,8 @@ def test_chunk_two_level_scan(T, groups, dt, lengths):
 @pytest.mark.parametrize("dt,lengths", [(F32, [200, 65]), (jnp.bfloat16, None)])
 def test_chunk_split_inverse(dt, lengths):
     """Launch 2 split in two (off-diagonal blocks storing L in fp32, then the inverse) gives the
-    fused launch's results exactly, and the reference's."""
+    fused launch's results exactly, and the reference's; so does the product form of the
+    diagonal blocks' inverse (to rounding)."""
     B, T, H, K = 2, 200, 2, 64
     q, k, v, g, beta, h0 = make(T + 7, B, T, H, K, K, dt, True, True)
     lens = None if lengths is None else jnp.array(lengths, jnp.int32)
@@ -187,6 +188,10 @@ def test_chunk_split_inverse(dt, lengths):
     assert jnp.array_equal(o, fo) and jnp.array_equal(s, fs)
     ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=True)
     assert rel(o, ro) < tol(dt) and rel(s, rs) < tol(dt), (rel(o, ro), rel(s, rs))
+    for cfg in (ChunkConfig(diag_inverse="product"), ChunkConfig(split_inverse=True, diag_inverse="product")):
+        po, ps = run(cfg)  # the product form of the diagonal blocks' inverse
+        assert rel(po, ro) < tol(dt) and rel(ps, rs) < tol(dt), (cfg, rel(po, ro), rel(ps, rs))
+        assert rel(po, fo) < (1e-5 if dt == F32 else 1e-2), rel(po, fo)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
@@ -201,7 +206,8 @@ def test_kda_kernels_lower_for_gpu(platform):
     B, T, H, K = 1, 8192, 16, 128
     args = (sd((B, T, H, K), jnp.bfloat16),) * 3 + (sd((B, T, H, K), F32), sd((B, T, H), jnp.bfloat16),
                                                      sd((B, H, K, K), F32))
-    for cfg in (ChunkConfig(scan_groups=1), ChunkConfig(scan_groups=0), ChunkConfig(split_inverse=True)):
+    for cfg in (ChunkConfig(scan_groups=1), ChunkConfig(scan_groups=0),
+                ChunkConfig(split_inverse=True, diag_inverse="product")):
         lower_for_gpu(lambda q, k, v, g, b, s, cfg=cfg: kda_chunk_pallas(
             q, k, v, g, b, initial_state=s, use_qk_l2norm=True, config=cfg), *args, platform=platform)
     P = H * K

@@ -69,6 +69,10 @@ class ChunkConfig:
     # the fused launch uses 255 registers and spills on sm_90 (results_kda.md). Off until timed.
     split_inverse: bool = False
     num_warps_inverse: int = 8  # 139 registers, no spills on sm_90 (2 or 4 warps: 255 and spills)
+    # the diagonal 16x16 blocks' inverse: "substitution" (15 dependent steps) or "product" (six
+    # matmuls per block, no loop); see `_invert`. The split launch measured the inverse at 0.78 ms
+    # of the 1.23 ms at B8 T4096 H12 (H200): the substitution's dependent steps are the cost.
+    diag_inverse: str = "substitution"
 
 
 def _is_pow2(n: int) -> bool:
@@ -190,22 +194,39 @@ def _offdiag_blocks(n, length, q_ref, k_ref, G_ref, rq_ref, rk_ref, block_k, pre
     return Aq, Ak, valid
 
 
-def _invert(L, akd_ref):
+def _invert(L, akd_ref, diag_inverse="substitution"):
     """T = (I + L)^-1 in fp32 from L's off-diagonal blocks (dict (i, j) -> [SB, SB], i > j) and
-    its diagonal blocks (akd_ref [C, SB], strictly lower): forward substitution on the four
-    diagonal blocks at once (independent chains interleave), block substitution for the rest."""
+    its diagonal blocks (akd_ref [C, SB], strictly lower), block substitution for the
+    off-diagonal part. The four diagonal blocks D (nilpotent: D^16 = 0):
+      "substitution": forward substitution, 15 dependent steps (the chains of the four blocks
+        interleave), each reading one row of D from memory;
+      "product": (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8), six 16x16 fp32 matmuls per
+        block, no loop and no loads after the first.
+    """
     ri = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 0)
     rvec = jax.lax.broadcasted_iota(jnp.int32, (SB,), 0)
     eye = (ri == jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 1)).astype(F32)
 
-    def fsub(r, Ts):
-        out = []
-        for i, Ti in enumerate(Ts):
-            lr = akd_ref[i * SB + r, :]                  # L[r, :], zero at columns >= r
-            new = (rvec == r).astype(F32) - jnp.sum(lr[:, None] * Ti, axis=0)
-            out.append(jnp.where(ri == r, new[None, :], Ti))
-        return tuple(out)
-    T = dict(zip([(i, i) for i in range(NSB)], jax.lax.fori_loop(1, SB, fsub, (eye,) * NSB)))
+    if diag_inverse == "product":
+        T = {}
+        for i in range(NSB):
+            D = akd_ref[i * SB:(i + 1) * SB, :].astype(F32)
+            P, X = eye - D, D
+            for _ in range(3):
+                X = _dot(X, X, HIGHEST)                  # D^2, D^4, D^8
+                P = _dot(P, eye + X, HIGHEST)
+            T[i, i] = P
+    elif diag_inverse == "substitution":
+        def fsub(r, Ts):
+            out = []
+            for i, Ti in enumerate(Ts):
+                lr = akd_ref[i * SB + r, :]                  # L[r, :], zero at columns >= r
+                new = (rvec == r).astype(F32) - jnp.sum(lr[:, None] * Ti, axis=0)
+                out.append(jnp.where(ri == r, new[None, :], Ti))
+            return tuple(out)
+        T = dict(zip([(i, i) for i in range(NSB)], jax.lax.fori_loop(1, SB, fsub, (eye,) * NSB)))
+    else:
+        raise ValueError(f"diag_inverse={diag_inverse!r}: 'substitution' or 'product'")
     for dlt in range(1, NSB):
         for i in range(dlt, NSB):
             j = i - dlt
@@ -237,11 +258,11 @@ def _beta_rows(b_ref, valid):
 
 
 def _inter_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, akd_ref,
-                  a_ref, t_ref, *, scale, block_k, op_dtype, prec_mm):
+                  a_ref, t_ref, *, scale, block_k, op_dtype, prec_mm, diag_inverse):
     Aq, Ak, valid = _offdiag_blocks(pl.program_id(0), len_ref[...], q_ref, k_ref, G_ref, rq_ref,
                                     rk_ref, block_k, prec_mm)
     beta = _beta_rows(b_ref, valid)
-    T = _invert({ij: Ak[ij] * beta[ij[0]][:, None] for ij in Ak}, akd_ref)
+    T = _invert({ij: Ak[ij] * beta[ij[0]][:, None] for ij in Ak}, akd_ref, diag_inverse)
     _store_lower(a_ref, {ij: x * scale for ij, x in Aq.items()}, diag=aqd_ref)
     _store_lower(t_ref, T)
 
@@ -258,10 +279,10 @@ def _offdiag_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref
     _store_lower(l_ref, {**L, **{(i, i): jnp.zeros((SB, SB), F32) for i in range(NSB)}})
 
 
-def _inverse_kernel(l_ref, akd_ref, t_ref):
+def _inverse_kernel(l_ref, akd_ref, t_ref, *, diag_inverse):
     """Launch 2b of the split variant: T from L (off-diagonal blocks, fp32) and its diagonal."""
     L = {(i, j): l_ref[i * SB:(i + 1) * SB, j * SB:(j + 1) * SB] for i in range(1, NSB) for j in range(i)}
-    _store_lower(t_ref, _invert(L, akd_ref))
+    _store_lower(t_ref, _invert(L, akd_ref, diag_inverse))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,7 +404,7 @@ def _launch_inter(lens, q, k, G, beta, rq, rk, aqd, akd, *, scale, op_dtype, pre
     sds = jax.ShapeDtypeStruct
     return pl.pallas_call(
         functools.partial(_inter_kernel, scale=scale, block_k=cfg.block_k_inter,
-                          op_dtype=op_dtype, prec_mm=prec_mm),
+                          op_dtype=op_dtype, prec_mm=prec_mm, diag_inverse=cfg.diag_inverse),
         grid=(Tp // C, B, H),
         in_specs=[length, tok(K), tok(K), tok(K), beta_spec, vec, vec, per(SB), per(SB)],
         out_specs=[per(C), per(C)],
@@ -412,7 +433,7 @@ def _launch_inverse(L, akd, *, op_dtype, cfg, interpret):
     B, H, Tp, _ = L.shape
     _, per, _, _, _ = _chunk_specs()
     return pl.pallas_call(
-        _inverse_kernel,
+        functools.partial(_inverse_kernel, diag_inverse=cfg.diag_inverse),
         grid=(Tp // C, B, H),
         in_specs=[per(C), per(SB)],
         out_specs=per(C),
