@@ -156,7 +156,12 @@ class Budget:
         return time.perf_counter() - self.t0
 
     def allows(self, what, estimate=0.0):
-        """Start `what` only if it should end (by `estimate` seconds) within the budget."""
+        """Start `what` only if it should end (by `estimate` seconds) within the budget, and no
+        device fault has left the GPU context unusable."""
+        if FAULT:
+            self.skipped.append(what)
+            log(f"  skipped (device fault earlier: {FAULT[0][:120]}): {what}")
+            return False
         if self.elapsed() + estimate <= self.seconds:
             return True
         self.skipped.append(what)
@@ -178,14 +183,26 @@ def save():
     os.replace(path + ".tmp", path)
 
 
+# A CUDA fault (illegal address, ...) poisons the process's GPU context: every later call fails
+# with the same error, so the first one is kept and everything after it is skipped, not run.
+FAULT: list = []
+_FAULT_MARKERS = ("CUDA_ERROR_ILLEGAL", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_MISALIGNED", "hipErrorIllegal")
+
+
 def guarded(record: dict, fn, *args, **kw):
     """Run fn; on an exception record it (type, message, last frames) in `record` and return None."""
+    if FAULT:
+        record["error"] = f"not run: device fault earlier ({FAULT[0][:300]})"
+        return None
     try:
         return fn(*args, **kw)
     except Exception as e:  # noqa: BLE001  (one bad measurement must not end a one-shot GPU run)
         record["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
         record["traceback"] = traceback.format_exc()[-4000:]
         log(f"  ERROR: {record['error'][:300]}")
+        if any(m in record["error"] for m in _FAULT_MARKERS):
+            FAULT.append(record["error"])
+            RESULTS["device_fault"] = record["error"]
         return None
 
 
@@ -637,8 +654,10 @@ def table():
     lines.append(f"{'MoE tokens':>10} {'dedup':>6} {'layer us':>9} {'collectives':>11} {'bytes/device':>13}  kinds")
     lines += _rows(md.get("layer_rows", []), "layer_us", _moe_line, lambda r: f"{r['tokens']:10d} {r['dedup']!s:>6}")
     lines += _rows(md.get("decode_rows", []), "step_ms", _decode_line, lambda r: f"decode step, dedup={r['dedup']}")
+    if RESULTS.get("device_fault"):
+        lines.append("DEVICE FAULT (everything after it was skipped): " + RESULTS["device_fault"][:300])
     if RESULTS.get("skipped"):
-        lines.append("skipped (budget): " + "; ".join(RESULTS["skipped"]))
+        lines.append("skipped (budget or device fault): " + "; ".join(RESULTS["skipped"]))
     errors = [k for k, s in RESULTS.items() if isinstance(s, dict) and "error" in s]
     errors += ["correctness.timed_config_pass"] * ("error" in c.get("timed_config_pass", {}))
     if errors:

@@ -54,3 +54,25 @@ def test_bench_sharded_smoke(tmp_path):
     assert dedup_rows[True]["layer_param_bytes_per_gpu"] < dedup_rows[False]["layer_param_bytes_per_gpu"]
     assert {r["dedup"] for r in moe["decode_rows"]} == {True, False}
     assert all(r["step_ms"] > 0 and r["collectives_in_decode_loop"]["total"] > 0 for r in moe["decode_rows"])
+
+
+def test_a_device_fault_skips_the_rest(monkeypatch):
+    """After a CUDA fault (the GPU context is lost) the script records the first error and skips
+    the remaining measurements instead of failing each of them."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_sharded as bs
+
+    monkeypatch.setattr(bs, "FAULT", [])
+    monkeypatch.setattr(bs, "RESULTS", {})
+
+    def faulty():
+        raise RuntimeError("INTERNAL: CUDA error: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access")
+
+    first, second = {}, {}
+    assert bs.guarded(first, faulty) is None and "ILLEGAL_ADDRESS" in first["error"]
+    assert bs.guarded(second, lambda: 1) is None and second["error"].startswith("not run: device fault")
+    assert bs.RESULTS["device_fault"] == first["error"]
+    assert not bs.Budget(1e9).allows("later section")
+    ok = {}
+    monkeypatch.setattr(bs, "FAULT", [])
+    assert bs.guarded(ok, lambda: 1) == 1 and not ok
