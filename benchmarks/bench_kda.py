@@ -28,6 +28,8 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 BACKEND = os.environ.get("BENCH_BACKEND", "pallas")  # "interpret": CPU smoke test of this script
 SMOKE = BACKEND == "interpret"
 # BENCH_SECTIONS: comma list of correctness,prefill,decode,verify (default all)
+# BENCH_DECODE_VARIANTS: ';'-separated kda_decode_pallas keyword sets, e.g. "early_state_load=1;num_warps=4",
+# each timed in the device loop at every decode shape and compared with the default's outputs
 SECTIONS = os.environ.get("BENCH_SECTIONS", "correctness,prefill,decode,verify").split(",")
 FULL = "correctness" in SECTIONS
 CHECKS = os.environ.get("BENCH_CHECKS", "chunk,decode").split(",")  # correctness: which kernels
@@ -340,10 +342,30 @@ def decode(shapes):
         fo = fo * jax.lax.rsqrt(jnp.mean(fo * fo, -1, keepdims=True) + 1e-5) * a["o_norm_w"]
         fo = (fo * jax.nn.sigmoid(a["gate"].astype(F32).reshape(B, H, K))).reshape(B, P)
         state_bytes = 2 * B * H * K * K * 4
+        variants = {}
+        for item in filter(None, os.environ.get("BENCH_DECODE_VARIANTS", "").split(";")):
+            kw = {k_: int(v_) for k_, v_ in (p_.split("=") for p_ in item.split(","))}
+
+            @jax.jit
+            def vloop(a, kw=tuple(kw.items())):
+                def body(i, c):
+                    _, cs, st = kda_decode_pallas(**dict(a, conv_state=c[0], state=c[1]), num_heads=H,
+                                                  lower_bound=-5.0, **dict(kw))
+                    return cs, st
+                return jax.lax.fori_loop(0, n, body, (a["conv_state"], a["state"]))
+            jax.block_until_ready(vloop(a))
+            t = time.perf_counter()
+            jax.block_until_ready(vloop(a))
+            us_v = (time.perf_counter() - t) / n * 1e6
+            vo, _, vs = kda_decode_pallas(**{n_: x.copy() for n_, x in a.items()}, num_heads=H,
+                                          lower_bound=-5.0, **kw)
+            variants[item] = {"us_device_loop": us_v, "vs_default": {"o_rel": rel(vo, o1), "state_rel": rel(vs, s1)}}
+            ROWS.append((f"decode B{B} H{H} device, variant {item} (vs FLA graph)", us_v,
+                         us_fla_graph if us_fla_graph else float("nan"), "us"))
         rec = {"ours_us_per_call": us_call, "ours_us_device_loop": us_dev, "fla_us": us_fla,
                "fla_us_cuda_graph": us_fla_graph,
                "ours_state_TBps_device": state_bytes / (us_dev * 1e-6) / 1e12,
-               "agree_fla": {"o_rel": rel(o1, fo), "state_rel": rel(s1, fs)}}
+               "agree_fla": {"o_rel": rel(o1, fo), "state_rel": rel(s1, fs)}, "variants": variants}
         if FULL:
             rec["vs_reference"] = {"o_rel": rel(o1, ref_o), "state_rel": rel(s1, ref_s)}
         RES["decode"][f"B{B} H{H}"] = rec

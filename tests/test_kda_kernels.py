@@ -112,6 +112,16 @@ def test_decode_vs_reference(dt, lb, K):
     assert rel(out[2], ref[2]) < 1e-5
 
 
+def test_decode_early_state_load_variant():
+    """The variant that requests the state first computes exactly what the default does."""
+    from kernels_pallas.kda.decode import kda_decode_pallas
+    a = decode_inputs(7, 3, 2, 32, jnp.bfloat16)
+    run = lambda **kw: kda_decode_pallas(**{n: x.copy() for n, x in a.items()}, num_heads=2,
+                                         lower_bound=-5.0, interpret=True, **kw)
+    for x, y in zip(run(), run(early_state_load=True)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
 def test_decode_matches_recurrent_step():
     """The decode reference itself against an independent composition of reference.py pieces."""
     a = decode_inputs(5, 2, 2, 32, F32)
@@ -214,8 +224,9 @@ def test_kda_kernels_lower_for_gpu(platform):
     dec = [sd((4, 3 * P), jnp.bfloat16), sd((4, 3, 3 * P), jnp.bfloat16), sd((3 * P, 4), F32),
            sd((4, P), jnp.bfloat16), sd((H,), F32), sd((P,), F32), sd((4, H), jnp.bfloat16),
            sd((4, P), jnp.bfloat16), sd((K,), F32), sd((4, H, K, K), F32)]
-    lower_for_gpu(lambda *a: kda_decode_pallas(*a, num_heads=H, lower_bound=-5.0), *dec,
-                  platform=platform)
+    for early in (False, True):
+        lower_for_gpu(lambda *a: kda_decode_pallas(*a, num_heads=H, lower_bound=-5.0, early_state_load=early),
+                      *dec, platform=platform)
     ver = tuple(sd(s.shape[:1] + (4,) + s.shape[2:], s.dtype) for s in args[:5]) + (args[5],)
     lower_for_gpu(lambda q, k, v, g, b, s: kda_verify_pallas(q, k, v, g, b, s, use_qk_l2norm=True),
                   *ver, platform=platform)
