@@ -101,3 +101,31 @@ def test_dcp_attention_kernel_equals_plain_jax():
         want = dcp_attention(*args, backend="reference")
         got = dcp_attention(*args, backend="interpret")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
+
+
+def test_dcp_attention_on_pages():
+    """DCP over a page pool (each rank holds a quarter of every page's positions): the kernel path
+    and the plain-JAX path both equal one device's paged attention (mla_decode_reference on the
+    whole pool), with shuffled pages, a row ending mid-page, one ending on a page boundary and a
+    row shorter than a page."""
+    import jax
+
+    from kernels_pallas.mla.reference import mla_decode_reference
+    from kimik3.layers.mla import dcp_attention
+
+    B, H, R, Pg, npg = 3, 16, 512, 16, 4
+    ks = jax.random.split(jax.random.key(3), 4)
+    q_lat = jax.random.normal(ks[0], (B, 1, H, R), jnp.float32)
+    q_rope = jax.random.normal(ks[1], (B, 1, H, 64), jnp.float32)
+    pool = jax.random.normal(ks[2], (B * npg + 2, Pg, 576), jnp.float32)
+    table = jax.random.permutation(ks[3], B * npg + 2)[:B * npg].reshape(B, npg).astype(jnp.int32)
+    start = jnp.array([40, 31, 5], jnp.int32)
+    n_new = jnp.ones((B,), jnp.int32)  # lengths 41, 32 (a page boundary), 6
+    q = jnp.concatenate([q_lat, q_rope], -1)
+    want, _ = mla_decode_reference(q, pool, table, start + n_new, scale=0.05)
+    mesh = sharding.make_mesh(tensor=2, dcp=4)
+    with jax.set_mesh(mesh):
+        for backend in ("reference", "interpret"):
+            got = dcp_attention(q_lat, q_rope, pool, start, n_new, 0.05, ("dcp",), backend=backend,
+                                page_table=table)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5, err_msg=backend)

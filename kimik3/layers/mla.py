@@ -24,13 +24,16 @@ def mla_cache_shapes(cfg, batch: int, max_seq_len: int):
     return {"latent": ((batch, max_seq_len, cfg.mla_cache_dim), cfg.jnp_dtype)}
 
 
-def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=None):
+def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=None, page_table=None):
     """Absorbed MLA attention with the cache's positions split over `dcp_axes` (decode context
     parallelism). Queries are gathered to every rank (replicated in_spec), each rank attends its
     own slice of every sequence's history, and the partial results merge exactly through their
     log-sum-exp: a global max (pmax), then sums of rescaled numerators and denominators (psum).
     A rank with no visible key contributes weight 0.
 
+    cache: contiguous [B, S, C] (page_table None), or a page pool [num_pages, P, C] with
+    page_table [B, pages per row]; either way its second axis is split over `dcp_axes`, so rank r
+    holds positions r * P/n .. (r + 1) * P/n - 1 of every page (of every row when contiguous).
     One-token decode on a 576-wide cache with a kernel backend runs the Pallas flash-decoding
     kernel on the rank's slice (its (o, lse) merged the same way); verify (T > 1) and the reference
     backend attend in plain JAX."""
@@ -42,13 +45,28 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=N
         raise ValueError(f"decode context parallelism over {dcp_axes} needs a mesh with those axes: "
                          "run inside `with jax.set_mesh(mesh):` (kimik3's functions do this for a cache "
                          "made with init_cache(..., mesh=...))")
+    n = 1
+    for a in dcp_axes:
+        n *= mesh.shape[a]
     R = q_lat.shape[-1]
-    T = q_lat.shape[1]
+    B, T = q_lat.shape[:2]
+    paged = page_table is not None
+    table = page_table if paged else jnp.arange(B, dtype=jnp.int32)[:, None]  # contiguous: a page per row
+    if cache.shape[1] % n:
+        raise ValueError(f"decode context parallelism over {n} ranks needs the cache's positions per page "
+                         f"({cache.shape[1]}) to be a multiple of {n}")
     use_kernel = T == 1 and resolve_backend(backend) != "reference" and cache.shape[-1] == CACHE_DIM
 
-    def local(q_lat, q_rope, keys, start, n_new):
-        S_loc = keys.shape[1]
-        s = jax.lax.axis_index(dcp_axes) * S_loc + jnp.arange(S_loc)
+    def local(q_lat, q_rope, pool, table, start, n_new):
+        P_loc = pool.shape[1]
+        r = jax.lax.axis_index(dcp_axes)
+        if paged:  # this rank's part of each of the row's pages, in position order
+            keys = pool[table].reshape(B, -1, pool.shape[-1])
+            s = ((jnp.arange(table.shape[1]) * (P_loc * n))[:, None] + r * P_loc
+                 + jnp.arange(P_loc)[None, :]).reshape(-1)
+        else:
+            keys = pool
+            s = r * P_loc + jnp.arange(P_loc)
         t = jnp.arange(T)
         visible = (s[None, None, :] < (start + n_new)[:, None, None]) & (
             s[None, None, :] <= (start[:, None] + t[None, :])[..., None])
@@ -61,13 +79,16 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=N
         num = jax.lax.psum(jnp.einsum("bhts,bsc->bthc", p, keys[..., :R].astype(F32), precision=HIGHEST), dcp_axes)
         return (num / jnp.moveaxis(denom, 1, 2)[..., None]).astype(q_lat.dtype)
 
-    def local_kernel(q_lat, q_rope, keys, start, n_new):
-        B, S_loc = keys.shape[:2]
-        # this rank's keys are positions off .. off + S_loc - 1; one query sees positions < start + n_new
-        off = jax.lax.axis_index(dcp_axes) * S_loc
-        lengths = jnp.clip(start + n_new - off, 0, S_loc).astype(jnp.int32)
-        o, lse = mla_decode(jnp.concatenate([q_lat, q_rope], -1), keys, jnp.arange(B, dtype=jnp.int32)[:, None],
-                            lengths, scale=scale, backend=backend, out_dtype=F32)
+    def local_kernel(q_lat, q_rope, pool, table, start, n_new):
+        P_loc = pool.shape[1]
+        # one query sees positions < L = start + n_new: all of this rank's part of the first L // P
+        # pages, and a prefix of its part of page L // P; in the rank's own order that is a prefix
+        L = start + n_new
+        full = L // (P_loc * n)
+        part = L - full * (P_loc * n) - jax.lax.axis_index(dcp_axes) * P_loc
+        lengths = (full * P_loc + jnp.clip(part, 0, P_loc)).astype(jnp.int32)
+        o, lse = mla_decode(jnp.concatenate([q_lat, q_rope], -1), pool, table, lengths, scale=scale,
+                            backend=backend, out_dtype=F32)
         top = jax.lax.pmax(lse, dcp_axes)                          # [B, 1, H]; -inf: no key anywhere
         w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # 0 on a rank with no key
         denom = jax.lax.psum(w, dcp_axes)
@@ -75,8 +96,8 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=N
         return (num / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(q_lat.dtype)
 
     return shard_map(local_kernel if use_kernel else local, mesh=mesh,
-                     in_specs=(P(), P(), P(None, dcp_axes, None), P(), P()), out_specs=P(),
-                     check_vma=False)(q_lat, q_rope, cache, start, n_new)
+                     in_specs=(P(), P(), P(None, dcp_axes, None), P(), P(), P()), out_specs=P(),
+                     check_vma=False)(q_lat, q_rope, cache, table, start, n_new)
 
 
 def per_head_shards(fn, head_args, shared_args, num_heads):
@@ -154,11 +175,9 @@ class MLA(nn.Module):
             use_kernel = (T == 1 and resolve_backend(backend) != "reference" and R + dr == CACHE_DIM
                           and not dcp_axes)
             if dcp_axes:
-                if page_table is not None:
-                    raise ValueError("decode context parallelism works on the contiguous cache, not pages")
                 q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
                 o_lat = dcp_attention(q_lat.astype(dt), q_rope.astype(dt), latent, start, n_new, scale, dcp_axes,
-                                      backend=backend)
+                                      backend=backend, page_table=page_table)
                 o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
             elif not use_kernel:
                 keys = latent[table].reshape(B, S, R + dr)
