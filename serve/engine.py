@@ -77,11 +77,28 @@ class Request:
 class Engine:
     def __init__(self, model: Model, max_batch: int = 8, max_seq_len: int = 1024, page_size: int = 16,
                  num_pages: int | None = None, memory_budget_bytes: int | None = None,
-                 prefill_chunk: int = 32, decode_steps: int = 4, tokenizer=None, backend=None):
+                 prefill_chunk: int = 32, decode_steps: int = 4, tokenizer=None, backend=None,
+                 dcp_axes: tuple = ()):
+        """dcp_axes: decode context parallelism over these axes of the mesh the weights are placed
+        on: every cache page's positions are split over them (page_size must be a multiple of
+        their size), so each device holds 1/dcp of every sequence's MLA history."""
         cfg = model.cfg
         if max_batch < 1 or max_seq_len < 1 or page_size < 1 or prefill_chunk < 1 or decode_steps < 1:
             raise ValueError("max_batch, max_seq_len, page_size, prefill_chunk, decode_steps must be >= 1")
         self.model, self.cfg, self.backend = model, cfg, backend
+        self.dcp_axes = tuple(dcp_axes)
+        mesh = run_mesh(model)
+        if self.dcp_axes:
+            if mesh is None:
+                raise ValueError("dcp_axes needs the model's weights placed on a mesh: "
+                                 "kimik3.init(cfg, mesh=...) or sharding.place_model(model, mesh)")
+            missing = [a for a in self.dcp_axes if a not in mesh.axis_names]
+            if missing:
+                raise ValueError(f"dcp_axes {missing} are not axes of the weights' mesh {mesh.axis_names}")
+            dcp = math.prod(mesh.shape[a] for a in self.dcp_axes)
+            if page_size % dcp:
+                raise ValueError(f"page_size={page_size} must be a multiple of the DCP size {dcp} "
+                                 f"(each device holds page_size / {dcp} positions of every page)")
         self.max_batch, self.page_size = max_batch, page_size
         self.pages_per_seq = math.ceil(max_seq_len / page_size)
         self.max_seq_len = self.pages_per_seq * page_size
@@ -108,7 +125,11 @@ class Engine:
         for e in cache_shapes(cfg, max_batch, page_size):
             if "latent" in e:
                 s, d = e["latent"]
-                layers.append({"latent": jnp.zeros((self.allocator.num_pages,) + s[1:], d)})
+                pool = jnp.zeros((self.allocator.num_pages,) + s[1:], d)
+                if self.dcp_axes:  # every page's positions over the DCP axes
+                    pool = jax.device_put(pool, jax.sharding.NamedSharding(
+                        mesh, jax.sharding.PartitionSpec(None, self.dcp_axes, None)))
+                layers.append({"latent": pool})
             else:
                 layers.append({k: jnp.zeros(s, d) for k, (s, d) in e.items()})
         self.layers = tuple(layers)
@@ -285,7 +306,7 @@ class Engine:
         args = [jnp.asarray(a) for a in (start, n_new)]
         common = dict(page_table=jnp.asarray(table), seeds=jnp.asarray(seeds), gen_idx=jnp.asarray(gen),
                       temperature=jnp.asarray(temp), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p),
-                      backend=self.backend)
+                      backend=self.backend, dcp_axes=self.dcp_axes)
         # on a mesh the MoE layers run in shard_map (dedup / expert parallelism) under it
         with mesh_context(run_mesh(self.model)):
             if prefilling:

@@ -26,27 +26,28 @@ def _keys(seeds, gen_idx):
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, gen_idx)
 
 
-@functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("layers",))
+@functools.partial(jax.jit, static_argnames=("backend", "dcp_axes"), donate_argnames=("layers",))
 def mixed_step(model: Model, layers, tokens, start, n_new, reset, page_table, seeds, gen_idx,
-               temperature, top_k, top_p, backend=None):
+               temperature, top_k, top_p, backend=None, dcp_axes=()):
     """tokens [B, T]: row b appends its first n_new[b] tokens after start[b]; returns the token
     sampled after each row's last new token, and the updated cache layers."""
     layers = tuple(_reset_rows(e, reset) for e in layers)
     logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tokens, layers, start, n_new,
-                                             backend=backend, page_table=page_table)
+                                             backend=backend, page_table=page_table, dcp_axes=dcp_axes)
     last = logits[jnp.arange(tokens.shape[0]), jnp.maximum(n_new - 1, 0)]
     return sample(last, _keys(seeds, gen_idx), temperature, top_k, top_p), layers
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "backend"), donate_argnames=("layers",))
+@functools.partial(jax.jit, static_argnames=("steps", "backend", "dcp_axes"), donate_argnames=("layers",))
 def decode_steps(model: Model, layers, tokens, start, active, page_table, seeds, gen_idx,
-                 temperature, top_k, top_p, steps: int, backend=None):
+                 temperature, top_k, top_p, steps: int, backend=None, dcp_axes=()):
     """`steps` decode steps on device: feed each row's last token, sample the next. Returns the
     sampled tokens [steps, B] and the layers. Rows with active = 0 are left untouched."""
     def body(i, carry):
         layers, tok, start, gen, out = carry
         logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tok[:, None], layers, start,
-                                                 active, backend=backend, page_table=page_table)
+                                                 active, backend=backend, page_table=page_table,
+                                                 dcp_axes=dcp_axes)
         nxt = sample(logits[:, 0], _keys(seeds, gen), temperature, top_k, top_p)
         return layers, nxt, start + active, gen + active, out.at[i].set(nxt)
 

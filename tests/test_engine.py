@@ -123,3 +123,21 @@ def test_engine_on_a_tp8_mesh_matches_one_device(tiny_greedy):
     placed = sharding.place_model(tiny_greedy.model, mesh)
     eng = Engine(placed, max_batch=4, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=3)
     assert eng.generate(tiny_greedy.prompts, max_new_tokens=8, stop_tokens=[]) == tiny_greedy.tokens
+
+
+def test_engine_with_decode_context_parallelism(tiny_greedy):
+    """The engine with every page's positions split over a DCP axis (TP2 x DCP4; pages of 8
+    positions: 2 on each device) gives the one-device greedy tokens; bad DCP settings are refused."""
+    import sharding
+
+    mesh = sharding.make_mesh(tensor=2, dcp=4)
+    placed = sharding.place_model(tiny_greedy.model, mesh)
+    eng = Engine(placed, max_batch=4, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=3,
+                 dcp_axes=("dcp",))
+    latent = next(e["latent"] for e in eng.layers if "latent" in e)
+    assert latent.addressable_shards[0].data.shape[1] == 2
+    assert eng.generate(tiny_greedy.prompts, max_new_tokens=8, stop_tokens=[]) == tiny_greedy.tokens
+    with pytest.raises(ValueError, match="multiple of the DCP size"):
+        Engine(placed, page_size=6, dcp_axes=("dcp",))
+    with pytest.raises(ValueError, match="placed on a mesh"):
+        Engine(tiny_greedy.model, dcp_axes=("dcp",))
