@@ -79,15 +79,18 @@ class Engine:
                  num_pages: int | None = None, memory_budget_bytes: int | None = None,
                  prefill_chunk: int = 32, decode_steps: int = 4, tokenizer=None, backend=None,
                  dcp_axes: tuple = ()):
-        """dcp_axes: decode context parallelism over these axes of the mesh the weights are placed
-        on: every cache page's positions are split over them (page_size must be a multiple of
-        their size), so each device holds 1/dcp of every sequence's MLA history."""
+        """memory_budget_bytes: what one device may spend on the cache (MLA pages + KDA state slots);
+        the page count follows from it. dcp_axes: decode context parallelism over these axes of
+        the mesh the weights are placed on: every cache page's positions are split over them
+        (page_size must be a multiple of their size), so each device holds 1/dcp of every
+        sequence's MLA history, and a budget buys dcp times the pages."""
         cfg = model.cfg
         if max_batch < 1 or max_seq_len < 1 or page_size < 1 or prefill_chunk < 1 or decode_steps < 1:
             raise ValueError("max_batch, max_seq_len, page_size, prefill_chunk, decode_steps must be >= 1")
         self.model, self.cfg, self.backend = model, cfg, backend
         self.dcp_axes = tuple(dcp_axes)
         mesh = run_mesh(model)
+        dcp = 1
         if self.dcp_axes:
             if mesh is None:
                 raise ValueError("dcp_axes needs the model's weights placed on a mesh: "
@@ -106,7 +109,8 @@ class Engine:
         self.tokenizer = tokenizer
         shapes = cache_shapes(cfg, max_batch, page_size)
         item = lambda s, d: math.prod(s) * np.dtype(d).itemsize
-        self.page_bytes = sum(item(e["latent"][0][1:], e["latent"][1]) for e in shapes if "latent" in e)
+        # bytes of one page on one device (under DCP each device holds 1/dcp of every page)
+        self.page_bytes = sum(item(e["latent"][0][1:], e["latent"][1]) for e in shapes if "latent" in e) // dcp
         self.slot_bytes = sum(item(s[1:], d) for e in shapes if "latent" not in e for s, d in e.values())
         if num_pages is None:
             if memory_budget_bytes is None:

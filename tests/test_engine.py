@@ -137,6 +137,11 @@ def test_engine_with_decode_context_parallelism(tiny_greedy):
     latent = next(e["latent"] for e in eng.layers if "latent" in e)
     assert latent.addressable_shards[0].data.shape[1] == 2
     assert eng.generate(tiny_greedy.prompts, max_new_tokens=8, stop_tokens=[]) == tiny_greedy.tokens
+    one = Engine(placed, max_batch=2, max_seq_len=64, page_size=8, memory_budget_bytes=1 << 20)
+    split = Engine(placed, max_batch=2, max_seq_len=64, page_size=8, memory_budget_bytes=1 << 20,
+                   dcp_axes=("dcp",))
+    assert split.page_bytes * 4 == one.page_bytes  # a page costs each device a quarter
+    assert split.allocator.num_pages > 3 * one.allocator.num_pages
     with pytest.raises(ValueError, match="multiple of the DCP size"):
         Engine(placed, page_size=6, dcp_axes=("dcp",))
     with pytest.raises(ValueError, match="placed on a mesh"):
