@@ -137,6 +137,11 @@ def test_engine_with_decode_context_parallelism(tiny_greedy):
     latent = next(e["latent"] for e in eng.layers if "latent" in e)
     assert latent.addressable_shards[0].data.shape[1] == 2
     assert eng.generate(tiny_greedy.prompts, max_new_tokens=8, stop_tokens=[]) == tiny_greedy.tokens
+    assert all(e["latent"].sharding.spec[1] in ("dcp", ("dcp",)) for e in eng.layers if "latent" in e)
+    from serve import steps
+    before = (steps.mixed_step._cache_size(), steps.decode_steps._cache_size())
+    assert eng.generate(tiny_greedy.prompts, max_new_tokens=8, stop_tokens=[]) == tiny_greedy.tokens
+    assert (steps.mixed_step._cache_size(), steps.decode_steps._cache_size()) == before  # no recompile
     one = Engine(placed, max_batch=2, max_seq_len=64, page_size=8, memory_budget_bytes=1 << 20)
     split = Engine(placed, max_batch=2, max_seq_len=64, page_size=8, memory_budget_bytes=1 << 20,
                    dcp_axes=("dcp",))

@@ -171,6 +171,9 @@ class MLA(nn.Module):
             slot = jnp.take_along_axis(table, jnp.clip(pos // P, 0, table.shape[1] - 1), axis=1)
             slot = jnp.where(t[None, :] < n_new[:, None], slot, latent.shape[0])  # padding: dropped
             latent = latent.at[slot, pos % P].set(entries, mode="drop")
+            if dcp_axes:  # the written cache keeps its positions over the DCP axes (no regather)
+                latent = jax.lax.with_sharding_constraint(
+                    latent, jax.sharding.PartitionSpec(None, tuple(dcp_axes), None))
             new_cache = {"latent": latent}
             use_kernel = (T == 1 and resolve_backend(backend) != "reference" and R + dr == CACHE_DIM
                           and not dcp_axes)
