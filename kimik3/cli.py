@@ -31,12 +31,28 @@ def _batch(args) -> int:
     if not os.path.exists(args.input):
         print(f"kimik3: no input file {args.input}", file=sys.stderr)
         return 2
+    dcp_axes = ()
+    if args.tensor > 1 or args.dcp > 1:
+        import sharding
+
+        try:  # TP over `tensor`; DCP over its own axis (DCP ranks hold their own weight copies)
+            mesh = sharding.make_mesh(tensor=args.tensor, dcp=args.dcp)
+        except ValueError as e:
+            print(f"kimik3: --tensor {args.tensor} --dcp {args.dcp}: {e}", file=sys.stderr)
+            return 2
+        model = sharding.place_model(model, mesh)
+        dcp_axes = ("dcp",) if args.dcp > 1 else ()
+        origin += f"; mesh tensor={args.tensor} dcp={args.dcp}"
     print(f"kimik3 batch: model {model.cfg.name} ({origin})", file=sys.stderr)
-    summary = run_batch(model, args.input, args.output, tok,
-                        defaults=dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed),
-                        max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                        prefill_chunk=args.prefill_chunk, progress=not args.quiet)
+    try:
+        summary = run_batch(model, args.input, args.output, tok, dcp_axes=dcp_axes,
+                            defaults=dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                          top_k=args.top_k, top_p=args.top_p, seed=args.seed),
+                            max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
+                            prefill_chunk=args.prefill_chunk, progress=not args.quiet)
+    except ValueError as e:  # engine settings (what was written so far stays; a re-run resumes)
+        print(f"kimik3: {e}", file=sys.stderr)
+        return 2
     print(f"kimik3 batch: {summary['requests']} requests, {summary['tokens']} tokens in {summary['seconds']:.1f}s "
           f"({summary['tokens_per_s']:.1f} tok/s), {summary['errors']} errors, {summary['skipped']} already done",
           file=sys.stderr)
@@ -98,6 +114,10 @@ def main(argv=None) -> int:
     b.add_argument("--max-seq-len", type=int, default=1024)
     b.add_argument("--page-size", type=int, default=16)
     b.add_argument("--prefill-chunk", type=int, default=32)
+    b.add_argument("--tensor", type=int, default=1, help="tensor parallelism over this many devices")
+    b.add_argument("--dcp", type=int, default=1,
+                   help="decode context parallelism: split every cache page over this many devices "
+                        "(--page-size must be a multiple; devices used: tensor x dcp)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     return {"generate": _generate, "batch": _batch}[args.cmd](args)

@@ -88,3 +88,22 @@ def test_error_records_and_summary(tmp_path):
     assert recs['"r0"']["output_tokens"] and recs['"r0"']["ttft_s"] > 0
     assert "3 requests" in res.stderr and "3 errors" in res.stderr and "tok/s" in res.stderr
     assert "6/6 requests" in res.stderr  # the progress bar reached the end
+
+
+def test_batch_on_a_mesh_with_dcp(tmp_path):
+    """`--tensor 2 --dcp 4` (8 devices): the same results as one device; a page size that does not
+    split over the DCP ranks is refused with a message."""
+    inp = tmp_path / "in.jsonl"
+    with open(inp, "w") as f:
+        for i in range(5):
+            f.write(json.dumps({"id": i, "prompt": list(range(1, 4 + 7 * i)), "max_new_tokens": 5}) + "\n")
+    env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    outs = {}
+    for name, extra in (("one", []), ("mesh", ["--tensor", "2", "--dcp", "4"])):
+        out = tmp_path / f"{name}.jsonl"
+        subprocess.run(_cmd(inp, out) + extra, env=env, check=True, capture_output=True, timeout=300)
+        outs[name] = sorted((r["id"], r["output_tokens"]) for r in map(json.loads, open(out)))
+    assert outs["mesh"] == outs["one"] and len(outs["one"]) == 5
+    bad = subprocess.run(_cmd(inp, tmp_path / "bad.jsonl") + ["--dcp", "4", "--page-size", "6"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "multiple of the DCP size" in bad.stderr
