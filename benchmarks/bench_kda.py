@@ -257,6 +257,21 @@ def prefill(shapes):
         save()
 
 
+def decode_loop_us(a, H, n, **kernel_kw):
+    """Microseconds per step of n decode steps inside one jitted fori_loop (after a warm-up call)."""
+    @jax.jit
+    def loop(a):
+        def body(i, c):
+            _, cs, st = kda_decode_pallas(**dict(a, conv_state=c[0], state=c[1]), num_heads=H,
+                                          lower_bound=-5.0, **kernel_kw)
+            return cs, st
+        return jax.lax.fori_loop(0, n, body, (a["conv_state"], a["state"]))
+    jax.block_until_ready(loop(a))
+    t = time.perf_counter()
+    jax.block_until_ready(loop(a))
+    return (time.perf_counter() - t) / n * 1e6
+
+
 @section("decode")
 def decode(shapes):
     _, fused_recurrent_kda, do_bench = fla()
@@ -282,19 +297,7 @@ def decode(shapes):
         jax.block_until_ready(st)
         us_call = (time.perf_counter() - t) / n * 1e6
 
-        # ours, device loop (no host dispatch): 50 steps inside one jit
-        @jax.jit
-        def loop(a):
-            def body(i, c):
-                cs, st = c
-                _, cs, st = kda_decode_pallas(**dict(a, conv_state=cs, state=st), num_heads=H,
-                                              lower_bound=-5.0)
-                return cs, st
-            return jax.lax.fori_loop(0, n, body, (a["conv_state"], a["state"]))
-        jax.block_until_ready(loop(a))
-        t = time.perf_counter()
-        jax.block_until_ready(loop(a))
-        us_dev = (time.perf_counter() - t) / n * 1e6
+        us_dev = decode_loop_us(a, H, n)  # ours, device loop (no host dispatch)
 
         # agreement: FLA's recurrence on the same post-conv / gated inputs, then the same norm
         if FULL:
@@ -345,18 +348,7 @@ def decode(shapes):
         variants = {}
         for item in filter(None, os.environ.get("BENCH_DECODE_VARIANTS", "").split(";")):
             kw = {k_: int(v_) for k_, v_ in (p_.split("=") for p_ in item.split(","))}
-
-            @jax.jit
-            def vloop(a, kw=tuple(kw.items())):
-                def body(i, c):
-                    _, cs, st = kda_decode_pallas(**dict(a, conv_state=c[0], state=c[1]), num_heads=H,
-                                                  lower_bound=-5.0, **dict(kw))
-                    return cs, st
-                return jax.lax.fori_loop(0, n, body, (a["conv_state"], a["state"]))
-            jax.block_until_ready(vloop(a))
-            t = time.perf_counter()
-            jax.block_until_ready(vloop(a))
-            us_v = (time.perf_counter() - t) / n * 1e6
+            us_v = decode_loop_us(a, H, n, **kw)
             vo, _, vs = kda_decode_pallas(**{n_: x.copy() for n_, x in a.items()}, num_heads=H,
                                           lower_bound=-5.0, **kw)
             variants[item] = {"us_device_loop": us_v, "vs_default": {"o_rel": rel(vo, o1), "state_rel": rel(vs, s1)}}
