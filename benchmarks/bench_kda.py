@@ -190,6 +190,12 @@ def fla():
     return chunk_kda, fused_recurrent_kda, do_bench
 
 
+def overrides(item: str) -> dict:
+    """"a=1,b=x" -> {"a": 1, "b": "x"} (integers where they parse as such)."""
+    kv = dict(pair.split("=") for pair in item.split(","))
+    return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in kv.items()}
+
+
 def chunk_configs():
     """BENCH_CHUNK_CONFIGS: ';'-separated ChunkConfig overrides, e.g.
     "block_k_inter=64,num_warps_inter=8;diag_inverse=product" (the default config always runs
@@ -197,8 +203,7 @@ def chunk_configs():
     from kernels_pallas.kda.chunk_pallas import ChunkConfig
     cfgs = [ChunkConfig()]
     for item in filter(None, os.environ.get("BENCH_CHUNK_CONFIGS", "").split(";")):
-        kv = dict(pair.split("=") for pair in item.split(","))
-        cfgs.append(ChunkConfig(**{k: int(v) if v.lstrip("-").isdigit() else v for k, v in kv.items()}))
+        cfgs.append(ChunkConfig(**overrides(item)))
     return cfgs
 
 
@@ -347,7 +352,7 @@ def decode(shapes):
         state_bytes = 2 * B * H * K * K * 4
         variants = {}
         for item in filter(None, os.environ.get("BENCH_DECODE_VARIANTS", "").split(";")):
-            kw = {k_: int(v_) for k_, v_ in (p_.split("=") for p_ in item.split(","))}
+            kw = overrides(item)
             us_v = decode_loop_us(a, H, n, **kw)
             vo, _, vs = kda_decode_pallas(**{n_: x.copy() for n_, x in a.items()}, num_heads=H,
                                           lower_bound=-5.0, **kw)

@@ -22,12 +22,16 @@ def _h200_gpu_info():
         pcr.gpu_info_lib.get_gpu_info = orig
 
 
+def _export(fn, args, platform):
+    return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+
+
 def lower_for_gpu(fn, *args, platform: str = "cuda"):
     """jax.export of jit(fn)(*args) for `platform` (args may be ShapeDtypeStructs); raises what
     the lowering raises."""
     with _h200_gpu_info():
-        return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+        return _export(fn, args, platform)
 
 
 def triton_ir(fn, *args, platform: str = "cuda") -> list[str]:
@@ -41,8 +45,7 @@ def triton_ir(fn, *args, platform: str = "cuda") -> list[str]:
             return r
         pcr.lowering.lower_jaxpr_to_triton_module = hook
         try:
-            jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=[
-                jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+            _export(fn, args, platform)
         finally:
             pcr.lowering.lower_jaxpr_to_triton_module = orig
     return captured

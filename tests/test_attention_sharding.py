@@ -4,6 +4,7 @@ are the one-device ones, with the plain-JAX paths and with the Pallas kernels (i
 inside the shard_map."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kimik3
 import sharding
@@ -80,52 +81,34 @@ def test_mla_kernel_under_dcp(monkeypatch):
         slices.clear()
 
 
-def test_dcp_attention_kernel_equals_plain_jax():
-    """The kernel path of dcp_attention (each rank's slice through the Pallas kernel, (o, lse)
-    merged) against its plain-JAX path, fp32 random inputs: lengths that leave whole shards empty
-    (3 of 64 positions over 4 shards), end mid-shard, fill the cache, and an idle row (n_new 0)."""
-    import jax
-
-    from kimik3.layers.mla import dcp_attention
-
-    B, H, S, R = 4, 16, 64, 512
-    ks = jax.random.split(jax.random.key(7), 3)
-    q_lat = jax.random.normal(ks[0], (B, 1, H, R), jnp.float32)
-    q_rope = jax.random.normal(ks[1], (B, 1, H, 64), jnp.float32)
-    cache = jax.random.normal(ks[2], (B, S, 576), jnp.float32)
-    start = jnp.array([2, 37, 63, 20], jnp.int32)
-    n_new = jnp.array([1, 1, 1, 0], jnp.int32)
-    mesh = sharding.make_mesh(tensor=2, dcp=4)
-    with jax.set_mesh(mesh):
-        args = (q_lat, q_rope, cache, start, n_new, 0.05, ("dcp",))
-        want = dcp_attention(*args, backend="reference")
-        got = dcp_attention(*args, backend="interpret")
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
-
-
-def test_dcp_attention_on_pages():
-    """DCP over a page pool (each rank holds a quarter of every page's positions): the kernel path
-    and the plain-JAX path both equal one device's paged attention (mla_decode_reference on the
-    whole pool), with shuffled pages, a row ending mid-page, one ending on a page boundary and a
-    row shorter than a page."""
+@pytest.mark.parametrize("paged", [False, True])
+def test_dcp_attention_equals_one_device(paged):
+    """dcp_attention, kernel path and plain-JAX path, against one device's attention
+    (mla_decode_reference on the whole cache), fp32 random inputs. Contiguous [B, 64, C]: lengths
+    that leave whole shards empty (3 of 64 positions over 4 shards), end mid-shard, fill the cache,
+    and an idle row. Paged (each rank holds a quarter of every 16-position page): shuffled pages, a
+    row ending mid-page, one on a page boundary, one shorter than a page."""
     import jax
 
     from kernels_pallas.mla.reference import mla_decode_reference
     from kimik3.layers.mla import dcp_attention
 
-    B, H, R, Pg, npg = 3, 16, 512, 16, 4
-    ks = jax.random.split(jax.random.key(3), 4)
+    B, H, R = (3, 16, 512) if paged else (4, 16, 512)
+    ks = jax.random.split(jax.random.key(3 if paged else 7), 4)
     q_lat = jax.random.normal(ks[0], (B, 1, H, R), jnp.float32)
     q_rope = jax.random.normal(ks[1], (B, 1, H, 64), jnp.float32)
-    pool = jax.random.normal(ks[2], (B * npg + 2, Pg, 576), jnp.float32)
-    table = jax.random.permutation(ks[3], B * npg + 2)[:B * npg].reshape(B, npg).astype(jnp.int32)
-    start = jnp.array([40, 31, 5], jnp.int32)
-    n_new = jnp.ones((B,), jnp.int32)  # lengths 41, 32 (a page boundary), 6
-    q = jnp.concatenate([q_lat, q_rope], -1)
-    want, _ = mla_decode_reference(q, pool, table, start + n_new, scale=0.05)
-    mesh = sharding.make_mesh(tensor=2, dcp=4)
-    with jax.set_mesh(mesh):
+    if paged:
+        cache = jax.random.normal(ks[2], (B * 4 + 2, 16, 576), jnp.float32)
+        table = jax.random.permutation(ks[3], B * 4 + 2)[:B * 4].reshape(B, 4).astype(jnp.int32)
+        start, n_new = jnp.array([40, 31, 5], jnp.int32), jnp.ones((B,), jnp.int32)
+    else:
+        cache = jax.random.normal(ks[2], (B, 64, 576), jnp.float32)
+        table = jnp.arange(B, dtype=jnp.int32)[:, None]
+        start, n_new = jnp.array([2, 37, 63, 20], jnp.int32), jnp.array([1, 1, 1, 0], jnp.int32)
+    want, _ = mla_decode_reference(jnp.concatenate([q_lat, q_rope], -1), cache, table, start + n_new,
+                                   scale=0.05)
+    with jax.set_mesh(sharding.make_mesh(tensor=2, dcp=4)):
         for backend in ("reference", "interpret"):
-            got = dcp_attention(q_lat, q_rope, pool, start, n_new, 0.05, ("dcp",), backend=backend,
-                                page_table=table)
+            got = dcp_attention(q_lat, q_rope, cache, start, n_new, 0.05, ("dcp",), backend=backend,
+                                page_table=table if paged else None)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5, err_msg=backend)

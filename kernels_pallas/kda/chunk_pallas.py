@@ -253,29 +253,30 @@ def _store_lower(ref, blocks, diag=None):
             ref[i * SB:(i + 1) * SB, j * SB:(j + 1) * SB] = x.astype(ref.dtype)
 
 
-def _beta_rows(b_ref, valid):
-    return [jnp.where(valid[i], b_ref[i * SB:(i + 1) * SB].astype(F32), 0.0) for i in range(NSB)]
+def _store_a_get_l(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, a_ref, *, scale,
+                   block_k, prec_mm):
+    """Launch 2's shared first half: stores A (scaled Q K^T blocks, diagonal from aqd_ref) and
+    returns L's off-diagonal blocks (beta-scaled K K^T), fp32."""
+    Aq, Ak, valid = _offdiag_blocks(pl.program_id(0), len_ref[...], q_ref, k_ref, G_ref, rq_ref,
+                                    rk_ref, block_k, prec_mm)
+    beta = [jnp.where(valid[i], b_ref[i * SB:(i + 1) * SB].astype(F32), 0.0) for i in range(NSB)]
+    _store_lower(a_ref, {ij: x * scale for ij, x in Aq.items()}, diag=aqd_ref)
+    return {ij: Ak[ij] * beta[ij[0]][:, None] for ij in Ak}
 
 
 def _inter_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, akd_ref,
                   a_ref, t_ref, *, scale, block_k, op_dtype, prec_mm, diag_inverse):
-    Aq, Ak, valid = _offdiag_blocks(pl.program_id(0), len_ref[...], q_ref, k_ref, G_ref, rq_ref,
-                                    rk_ref, block_k, prec_mm)
-    beta = _beta_rows(b_ref, valid)
-    T = _invert({ij: Ak[ij] * beta[ij[0]][:, None] for ij in Ak}, akd_ref, diag_inverse)
-    _store_lower(a_ref, {ij: x * scale for ij, x in Aq.items()}, diag=aqd_ref)
-    _store_lower(t_ref, T)
+    L = _store_a_get_l(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, a_ref,
+                       scale=scale, block_k=block_k, prec_mm=prec_mm)
+    _store_lower(t_ref, _invert(L, akd_ref, diag_inverse))
 
 
 def _offdiag_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, a_ref, l_ref, *,
                     scale, block_k, prec_mm):
     """Launch 2a of the split variant: A (as `_inter_kernel` stores it) and L's off-diagonal
     blocks in fp32 (the inverse reads them back in launch 2b)."""
-    Aq, Ak, valid = _offdiag_blocks(pl.program_id(0), len_ref[...], q_ref, k_ref, G_ref, rq_ref,
-                                    rk_ref, block_k, prec_mm)
-    beta = _beta_rows(b_ref, valid)
-    _store_lower(a_ref, {ij: x * scale for ij, x in Aq.items()}, diag=aqd_ref)
-    L = {ij: Ak[ij] * beta[ij[0]][:, None] for ij in Ak}
+    L = _store_a_get_l(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, a_ref,
+                       scale=scale, block_k=block_k, prec_mm=prec_mm)
     _store_lower(l_ref, {**L, **{(i, i): jnp.zeros((SB, SB), F32) for i in range(NSB)}})
 
 

@@ -3,6 +3,8 @@ token. Prefill/forward use the expanded form; decode and short verifies use the 
 (query projected into latent space, attention over the latent cache, value up-projection after)."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
@@ -45,9 +47,7 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=N
         raise ValueError(f"decode context parallelism over {dcp_axes} needs a mesh with those axes: "
                          "run inside `with jax.set_mesh(mesh):` (kimik3's functions do this for a cache "
                          "made with init_cache(..., mesh=...))")
-    n = 1
-    for a in dcp_axes:
-        n *= mesh.shape[a]
+    n = math.prod(mesh.shape[a] for a in dcp_axes)
     R = q_lat.shape[-1]
     B, T = q_lat.shape[:2]
     paged = page_table is not None
