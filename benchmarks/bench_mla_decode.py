@@ -19,10 +19,14 @@ kernel configurations x (16 heads; B 1 / 16 / 64; 32K / 128K; bf16 and fp8 cache
 3. The sweep. Configs (CONFIGS below): "old" is the 2026-11-29 kernel (token load, "fill"
    splits, fp8 "operand" upcast, block_k 64, 4 warps, 2 stages); "default" is default_config;
    the rest are alternatives that compile for sm_90 without spilling much. Bytes = cache bytes
-   read (B x L x 576 x itemsize, + 4 B a token for the fp8 per-token scale); time = the whole op
-   (the kernel and the split merge), median of 3 timings of 5 calls issued back to back, each
-   call running n_inner (2-4) decodes over different page tables of one 9.7 GB page pool (page
-   size 64, pages shuffled), so no case is served from L2.
+   read (B x L x 576 x itemsize, + 4 B a token for the fp8 per-token scale); time = the GPU
+   time of the whole op (the Pallas kernel, the split merge, the q cast), summed from the
+   profiler's kernel durations (benchmarks/kernel_timer.py; the host's launches, which bound
+   every batch-1 row of 2026-11-29, are not in it: the wall clock of the old method is kept as
+   wall_us), each call running n_inner (2-4) decodes over different page tables of one 9.7 GB
+   page pool (page size 64, pages shuffled), so no case is served from L2. Then 12 heads (one
+   TP8 rank, padded to 16 rows) and 128 heads at a few shapes.
+   MLA_BENCH_CONFIGS="bf16:default,fp8:tile-f16" keeps only the named configurations.
 Writes $OUT/bench_mla.json after every case and $OUT/bench_mla.log; prints a table last
 (% of the torch copy bandwidth; best config per shape).
 """
@@ -51,7 +55,8 @@ LOG = open(os.path.join(OUT, "bench_mla.log"), "w")
 PAGE = 64
 HEADS = 16
 SCALE = 1.0 / math.sqrt(192.0)
-SHAPES = [(16, 32768), (64, 131072), (1, 131072), (64, 32768), (16, 131072), (1, 32768)]
+SHAPES = [(16, 32768), (64, 131072), (1, 131072), (64, 32768), (16, 131072), (1, 32768),
+          (1, 4096), (16, 4096), (64, 4096)]
 if DRY:
     SHAPES = [(2, 512), (1, 1024)]
 if os.environ.get("MLA_BENCH_SHAPES"):     # e.g. "16x131072,1x32768": only these (B x ctx)
@@ -63,18 +68,21 @@ _OLD = dict(block_k=64, num_warps=4, num_stages=2, load="token", num_splits="fil
             fp8_upcast="operand")
 CONFIGS = {
     "bf16": {
-        "old": _OLD,
         "default": {},
-        "bk64w4s3": dict(block_k=64, num_warps=4, num_stages=3),
-        "old+waves": dict(_OLD, num_splits="waves"),
+        "xla-merge": dict(merge="xla"),
+        "bk32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
     },
     "fp8": {
-        "old": _OLD,
         "default": {},
-        "mixed-bk32s3": dict(block_k=32, num_warps=8, num_stages=3, fp8_upcast="mixed"),
-        "tile-bk32s4": dict(block_k=32, num_warps=8, num_stages=4, fp8_upcast="tile"),
+        "mixed-bf16": dict(fp8_upcast="mixed", fp8_dot="bf16"),
+        "op-f16-bk64s2": dict(num_stages=2),
+        "op-f16-bk32w8s2": dict(block_k=32, num_warps=8, num_stages=2),
+        "tile-f16-s1": dict(fp8_upcast="tile", num_stages=1),
     },
 }
+if os.environ.get("MLA_BENCH_CONFIGS"):    # e.g. "bf16:default,fp8:default": only these
+    _keep = {tuple(c.split(":")) for c in os.environ["MLA_BENCH_CONFIGS"].split(",")}
+    CONFIGS = {dt: {n: c for n, c in cs.items() if (dt, n) in _keep} for dt, cs in CONFIGS.items()}
 
 
 def log(*a):
@@ -128,6 +136,7 @@ _pkg.__path__ = [os.path.join(_ROOT, "kernels_pallas")]
 sys.modules.setdefault("kernels_pallas", _pkg)
 from kernels_pallas.mla import mla_decode, mla_decode_reference  # noqa: E402
 from kernels_pallas.mla.decode import resolve_config, smem_bytes  # noqa: E402
+from kernel_timer import kernel_times  # noqa: E402
 
 BACKEND = "interpret" if DRY else "pallas"
 F8 = jnp.float8_e4m3fn
@@ -146,9 +155,11 @@ POOL_TOKENS = 4096 if DRY else 64 * 131072       # 8.4M tokens: 9.7 GB bf16, 4.8
 POOL_PAGES = POOL_TOKENS // PAGE
 
 
-def full_cfg(B, ctx, dtype, cfg):
-    return resolve_config((B, 1, HEADS, 576), (POOL_PAGES, PAGE, 576),
-                          jnp.bfloat16 if dtype == "bf16" else F8, (B, ctx // PAGE), **cfg)
+def full_cfg(B, ctx, dtype, cfg, heads=HEADS):
+    kw = {k: v for k, v in cfg.items() if k != "merge"}
+    return dict(resolve_config((B, 1, heads, 576), (POOL_PAGES, PAGE, 576),
+                               jnp.bfloat16 if dtype == "bf16" else F8, (B, ctx // PAGE), **kw),
+                merge=cfg.get("merge", "pallas"))
 
 
 # ---------------------------------------------------------------- lowering check (CPU)
@@ -287,6 +298,9 @@ CHECKS = [   # (B, Tq, H, lengths, dtype, scale kind, cfg, page size)
     (2, 4, 16, [2000, 100], "fp8", "tensor", dict(fp8_upcast="tile", block_k=32,
                                                   num_stages=4), PAGE),
     (2, 1, 16, [2000, 100], "fp8", "token", _OLD, PAGE),
+    (4, 1, 16, [8191, 1, 0, 3000], "fp8", "token", dict(fp8_dot="fp16"), PAGE),
+    (2, 4, 16, [2000, 100], "fp8", "tensor", dict(fp8_upcast="tile", fp8_dot="fp16"), PAGE),
+    (3, 1, 12, [5000, 129, 63], "fp8", "token", dict(fp8_upcast="operand", fp8_dot="fp16"), PAGE),
 ]
 for i, (B, Tq, H, lens, dt, sk, cfg, pg) in enumerate([] if SKIP_CHECKS else CHECKS):
     safe(correctness, B, Tq, H, [_short(n) for n in lens], dt, sk, cfg, seed=100 + i, page=pg)
@@ -311,7 +325,7 @@ def pool(dtype):
 PERM = np.random.default_rng(0).permutation(POOL_PAGES).astype(np.int32)
 
 
-def time_decode(B, ctx, dtype, name, cfg):
+def time_decode(B, ctx, dtype, name, cfg, heads=HEADS):
     pages = B * (ctx // PAGE)
     cache, cs = pool(dtype)
     itemsize = 1 if dtype == "fp8" else 2
@@ -320,11 +334,14 @@ def time_decode(B, ctx, dtype, name, cfg):
     # decodes per timed call: ~0.5 ms of work at 3 TB/s, 2 to 4 (each is one more kernel to
     # compile); five calls are issued back to back, so the dispatch is hidden too
     n_inner = 2 if DRY else int(min(4, max(2, math.ceil(5e-4 * 3e12 / bytes_read))))
-    pts = jnp.asarray(np.stack([PERM[(r * pages) % (POOL_PAGES - pages + 1):][:pages]
-                                for r in range(R)]).reshape(R, B, ctx // PAGE))
+    pts = tuple(jnp.asarray(PERM[(r * pages) % (POOL_PAGES - pages + 1):][:pages]
+                            .reshape(B, ctx // PAGE)) for r in range(R))
     lens = jnp.full((B,), ctx, jnp.int32)
     # A different q for every inner call: identical calls would be merged by XLA's CSE.
-    qs = jax.random.normal(jax.random.key(1), (n_inner, B, 1, HEADS, 576), jnp.bfloat16)
+    # Separate q and page-table arrays, not slices of stacked ones: a slice fed to the custom
+    # call is a device copy of its own (~2.5 us at B1, 2026-11-30) that a model does not pay.
+    qs = tuple(jax.random.normal(jax.random.key(1 + i), (B, 1, heads, 576), jnp.bfloat16)
+               for i in range(n_inner))
 
     @jax.jit
     def run(qs, cache, pts, lens, cs):
@@ -332,20 +349,35 @@ def time_decode(B, ctx, dtype, name, cfg):
                            backend=BACKEND, **cfg) for i in range(n_inner)]
 
     info = {}
-    t = wall(run, qs, cache, pts, lens, cs, back_to_back=5, info=info) / n_inner
-    fc = full_cfg(B, ctx, dtype, cfg)
-    return dict(B=B, ctx=ctx, H=HEADS, dtype=dtype, name=name, cfg=fc, time_us=t * 1e6,
-                bytes=bytes_read, Bps=bytes_read / t, frac_copy=bytes_read / t / COPY_BW,
-                n_inner=n_inner, R=R, **info)
+    t_wall = wall(run, qs, cache, pts, lens, cs, back_to_back=5, info=info) / n_inner
+    # GPU time from the profiler: the kernels of one decode (the Pallas kernel + the merge and
+    # q cast), without the host's launches; the wall clock is kept beside it.
+    kt = None if DRY else kernel_times(run, qs, cache, pts, lens, cs, reps=5)
+    if kt is not None:
+        t = kt["total_us"] / n_inner / 1e6
+        info.update(kernel_us=kt["total_us"] / n_inner,
+                    mla_kernel_us=sum(v for k, v in kt["by_kernel"].items()
+                                      if "mla_decode" in k) / n_inner,
+                    span_us=kt["span_us"] / n_inner, by_kernel=kt["by_kernel"],
+                    trace_lines=kt["lines"])
+    else:
+        t = t_wall
+    fc = full_cfg(B, ctx, dtype, cfg, heads)
+    return dict(B=B, ctx=ctx, H=heads, dtype=dtype, name=name, cfg=fc, time_us=t * 1e6,
+                wall_us=t_wall * 1e6, bytes=bytes_read, Bps=bytes_read / t,
+                frac_copy=bytes_read / t / COPY_BW, n_inner=n_inner, R=R, **info)
 
 
 def fmt(r):
     c = r["cfg"]
     cs = (f"bk{c['block_k']} w{c['num_warps']} st{c['num_stages']} sp{c['num_splits']} "
-          f"{c['load']}" + (f" {c['fp8_upcast']}" if r["dtype"] == "fp8" else ""))
-    return (f"{r['dtype']:>4} B{r['B']:<3d} {r['ctx'] // 1024:>4d}K {r['name']:13s} "
-            f"{r['time_us']:9.1f} us {r['Bps'] / 1e12:5.2f} TB/s {100 * r['frac_copy']:5.1f}%  "
-            f"[{cs}]")
+          f"{c['load']} {c['merge']}-merge"
+          + (f" {c['fp8_upcast']} {c['fp8_dot']}" if r["dtype"] == "fp8" else ""))
+    ker = (f" (kernel {r['mla_kernel_us']:.1f}, span {r['span_us']:.1f}, wall "
+           f"{r['wall_us']:.1f} us)" if "mla_kernel_us" in r else "")
+    return (f"{r['dtype']:>4} H{r['H']:<3d} B{r['B']:<3d} {r['ctx'] // 1024:>4d}K "
+            f"{r['name']:15s} {r['time_us']:9.1f} us {r['Bps'] / 1e12:5.2f} TB/s "
+            f"{100 * r['frac_copy']:5.1f}%  [{cs}]{ker}")
 
 
 for B, ctx in SHAPES:
@@ -359,6 +391,22 @@ for B, ctx in SHAPES:
                 RESULTS["cases"].append(r)
                 save()
                 log("case", fmt(r), f"(first call {r['first_call_s']:.1f} s)")
+
+# Head counts: 12 (one TP8 rank, padded to 16 rows) and 128 (all of K3's heads on one GPU,
+# compute-bound: TFLOP/s in the JSON), default configs.
+for B, ctx, heads in ([] if DRY else [(16, 32768, 12), (16, 32768, 128), (64, 32768, 128),
+                                      (1, 131072, 128)]):
+    for dtype, name in [(dt, n) for dt in DTYPES for n in ("default", "mixed-bf16")
+                        if n in CONFIGS[dt]]:
+        if elapsed() > BUDGET_S:
+            RESULTS["skipped"].append(dict(B=B, ctx=ctx, dtype=dtype, name=name, H=heads))
+            continue
+        r = safe(time_decode, B, ctx, dtype, name, CONFIGS[dtype][name], heads=heads)
+        if r is not None:
+            r["tflops"] = B * heads * ctx * (576 + 512) * 2 / (r["time_us"] * 1e-6) / 1e12
+            RESULTS["cases"].append(r)
+            save()
+            log("case", fmt(r), f"{r['tflops']:.0f} TFLOP/s")
 
 # ---------------------------------------------------------------- summary
 RESULTS["elapsed_s"] = elapsed()
@@ -374,7 +422,7 @@ for dtype in DTYPES:
     log(f"{dtype:>4} {'shape':10s} " + " ".join(f"{n:>13s}" for n in names) + "   best (TB/s)")
     for B, ctx in SHAPES:
         rows = {r["name"]: r for r in RESULTS["cases"]
-                if (r["B"], r["ctx"], r["dtype"]) == (B, ctx, dtype)}
+                if (r["B"], r["ctx"], r["dtype"], r["H"]) == (B, ctx, dtype, HEADS)}
         if not rows:
             continue
         cells = " ".join(f"{100 * rows[n]['frac_copy']:12.1f}%" if n in rows else f"{'-':>13s}"

@@ -8,7 +8,7 @@ are therefore those of upstream Triton 3.6, not of the Triton bundled in jaxlib;
 identical.
 
   python3 -m pip install triton==3.6.0     # CPU machine; no GPU needed
-  PYTHONPATH=. python3 benchmarks/kernel_resources.py [kda] [--targets sm_90,gfx942,gfx950]
+  PYTHONPATH=. python3 benchmarks/kernel_resources.py [kda] [mla] [--targets sm_90,gfx942,gfx950]
 """
 from __future__ import annotations
 
@@ -108,7 +108,30 @@ def kda_kernels():
             ("kda_verify B1 T4 H12", ver, ver_args, [(2, 1)])]
 
 
-GROUPS = {"kda": kda_kernels}
+def mla_kernels():
+    """MLA decode at B16 32K, 16 heads, 64-token pages: the bf16 default and the fp8 variants
+    (upcast x dot dtype) at the fp8 default's blocks (64 keys, 8 warps, 3 stages)."""
+    from kernels_pallas.mla.decode import mla_decode, resolve_config
+
+    B, ctx, pages = 16, 32768, 8192
+    q = SD((B, 1, 16, 576), jnp.bfloat16)
+    pt, ln = SD((B, ctx // 64), jnp.int32), SD((B,), jnp.int32)
+    out = []
+    variants = [("bf16", {})] + [("fp8", dict(fp8_upcast=u, fp8_dot=d))
+                                 for d in ("bf16", "fp16") for u in ("mixed", "tile", "operand")]
+    for dt, kw in variants:
+        cdt = jnp.bfloat16 if dt == "bf16" else jnp.float8_e4m3fn
+        cache = SD((pages, 64, 576), cdt)
+        cfg = resolve_config(q.shape, cache.shape, cdt, pt.shape, num_sms=132, **kw)
+        args = (q, cache, pt, ln) + ((SD((pages, 64), jnp.float32),) if dt == "fp8" else ())
+        fn = (lambda *a, kw=kw: mla_decode(*a[:4], scale=0.07, backend="pallas",
+                                           cache_scale=a[4] if len(a) > 4 else None, **kw))
+        name = f"mla_decode {dt} " + " ".join(f"{k}={v}" for k, v in kw.items())
+        out.append((name, fn, args, [(cfg["num_warps"], cfg["num_stages"])]))
+    return out
+
+
+GROUPS = {"kda": kda_kernels, "mla": mla_kernels}
 
 
 def main():

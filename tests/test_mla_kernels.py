@@ -6,8 +6,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.mla import (merge_partials, mla_decode, mla_decode_reference, mla_prefill,
-                                mla_prefill_reference)
+from kernels_pallas.mla import (merge_partials, merge_stacked, mla_decode, mla_decode_reference,
+                                mla_prefill, mla_prefill_reference)
 
 SCALE = 1.0 / np.sqrt(192.0)
 
@@ -138,12 +138,32 @@ def test_decode_page_and_token_loads(Tq, H):
     np.testing.assert_allclose(outs["page", 4], outs["token", 4], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("upcast,per_token,Tq", [("mixed", True, 4), ("tile", True, 1),
-                                                 ("operand", True, 4), ("mixed", False, 1)])
-def test_decode_fp8_upcasts(upcast, per_token, Tq):
-    """Each fp8 upcast on the "page" load: lengths 0 / 1, page boundaries, ragged, 2 chunks."""
+@pytest.mark.parametrize("upcast,per_token,Tq,dot", [
+    ("mixed", True, 4, "bf16"), ("tile", True, 1, "bf16"), ("operand", True, 4, "bf16"),
+    ("mixed", False, 1, "bf16"), ("mixed", True, 1, "fp16"), ("tile", False, 4, "fp16"),
+    ("operand", True, 1, "fp16")])
+def test_decode_fp8_upcasts(upcast, per_token, Tq, dot):
+    """Each fp8 upcast and dot dtype on the "page" load: lengths 0 / 1, page boundaries,
+    ragged, 2 chunks."""
     _check_fp8(np.random.default_rng(30 + Tq + per_token), [0, 1, 16, 17, 100, 530], 16, 34,
-               per_token, Tq, 16, num_splits=1, block_k=16, fp8_upcast=upcast)
+               per_token, Tq, 16, num_splits=1, block_k=16, fp8_upcast=upcast, fp8_dot=dot)
+
+
+def test_decode_fp8_fp16_dots_keep_large_q():
+    """fp16 dots divide each q row by its max |q|: rows far outside fp16's range (1e6) and an
+    all-zero row give the reference's result, not inf / NaN."""
+    rng = np.random.default_rng(40)
+    lengths = [5, 40, 17]
+    cache32, cache8, cs, pt, ln = _fp8_cache(rng, lengths, 16, 4, True)
+    q = np.asarray(rng.standard_normal((3, 1, 16, 576)), np.float32) * 0.01
+    q[0, 0, 3] *= 1e8                    # |q| ~ 1e6: inf in fp16
+    q[1, 0, 5] = 0.0
+    q = jnp.asarray(q).astype(jnp.bfloat16)
+    ro, rlse = mla_decode_reference(q, cache8, pt, ln, scale=SCALE, cache_scale=cs,
+                                    out_dtype=jnp.float32)
+    o, lse = mla_decode(q, cache8, pt, ln, scale=SCALE, backend="interpret", cache_scale=cs,
+                        out_dtype=jnp.float32, num_splits=2, block_k=16, fp8_dot="fp16")
+    _check(o, lse, ro, rlse, atol=2e-2)
 
 
 def test_split_policy_and_config():
@@ -175,6 +195,7 @@ def test_split_policy_and_config():
     fill = resolve_config(q, cache, jnp.bfloat16, pt, num_splits="fill", num_sms=132)
     assert fill["num_splits"] == 1                    # the old rule: >= 256 tokens a split
     for bad in (dict(load="page", block_k=32), dict(load="x"), dict(fp8_upcast="x"),
+                dict(fp8_dot="fp32"),
                 dict(num_splits="x"), dict(block_k=48)):
         with pytest.raises(ValueError):
             resolve_config(q, cache, jnp.bfloat16, pt, **bad)
@@ -183,18 +204,19 @@ def test_split_policy_and_config():
 def test_default_config_is_the_measured_winner():
     """bf16, 16 rows: the H200 sweep's winner (64-key blocks, 4 warps, 3 stages, page load,
     "waves") with the split counts it ran at (benchmarks/results_mla.md, 2026-11-29); 16-token
-    pages: 64-key "token" loads with 2 stages; fp8, fp32 and 32-row blocks keep their configs."""
+    pages: 64-key "token" loads with 2 stages; fp8: the 2026-11-30 winner ("operand" upcast,
+    fp16 dots); fp32 and 32-row blocks keep their configs."""
     from kernels_pallas.mla.decode import default_config, resolve_config
 
     pool = (131072, 64, 576)
     for (B, ctx), splits in {(16, 32768): 8, (64, 131072): 2, (1, 131072): 128}.items():
         c = resolve_config((B, 1, 16, 576), pool, jnp.bfloat16, (B, ctx // 64), num_sms=132)
         assert c == dict(block_h=16, block_k=64, num_warps=4, num_stages=3, num_splits=splits,
-                         load="page", fp8_upcast="mixed"), (B, ctx, c)
+                         load="page", fp8_upcast="mixed", fp8_dot="bf16"), (B, ctx, c)
         c8 = resolve_config((B, 1, 16, 576), pool, jnp.float8_e4m3fn, (B, ctx // 64),
                             num_sms=132)
-        assert (c8["block_k"], c8["num_warps"], c8["num_stages"], c8["fp8_upcast"]) == \
-            (64, 8, 3, "mixed")
+        assert (c8["block_k"], c8["num_warps"], c8["num_stages"], c8["fp8_upcast"],
+                c8["fp8_dot"]) == (64, 8, 3, "operand", "fp16")
     c = resolve_config((16, 1, 12, 576), (100, 16, 576), jnp.bfloat16, (16, 2048), num_sms=132)
     assert (c["block_k"], c["num_warps"], c["num_stages"], c["load"]) == (64, 4, 2, "token")
     for dt, rows in ((jnp.float32, 16), (jnp.bfloat16, 32)):
@@ -205,7 +227,8 @@ def test_default_config_is_the_measured_winner():
 @pytest.mark.parametrize("dtype,kw", [
     ("bf16", {}), ("bf16", dict(load="token")), ("bf16", dict(Tq=4, H=12)),
     ("fp8", dict(fp8_upcast="mixed")), ("fp8", dict(fp8_upcast="tile", per_token=False)),
-    ("fp8", dict(fp8_upcast="operand"))])
+    ("fp8", dict(fp8_upcast="operand")), ("fp8", dict(fp8_upcast="mixed", fp8_dot="fp16")),
+    ("fp8", dict(fp8_upcast="tile", fp8_dot="fp16", per_token=False))])
 def test_decode_lowers_for_h200(dtype, kw):
     """Each variant lowers to Triton IR for an H200 (no GPU needed), with a > 4 GiB cache."""
     from kernels_pallas.gpu_lowering import lower_for_gpu
@@ -268,3 +291,34 @@ def test_prefill(dtype):
                              block_q=32, block_k=16, chunk=32)
         assert o.shape == (B, T, H, 128) and o.dtype == dtype
         _check(o, lse, ro, rlse, atol=atol)
+
+
+@pytest.mark.parametrize("B,S,R,rows", [(2, 5, 16, 12), (1, 33, 16, 16), (3, 1, 16, 16)])
+def test_merge_kernel_matches_merge_stacked(B, S, R, rows):
+    """The one-launch Pallas merge == the plain-JAX merge: split counts that are not powers of
+    two and span several chunks, padded rows left out, empty splits, a row with no keys."""
+    from kernels_pallas.mla.merge import merge_splits_pallas
+    rng = np.random.default_rng(S)
+    o = jnp.asarray(rng.standard_normal((B, S, R, 512)), jnp.float32)
+    lse = rng.standard_normal((B, S, R)).astype(np.float32) * 3
+    lse[0, :, 0] = -np.inf                  # row 0 of sequence 0 saw no key in any split
+    lse[-1, 0, 1] = -np.inf                 # one empty split
+    lse = jnp.asarray(lse)
+    o_m, lse_m = merge_splits_pallas(o, lse, rows=rows, out_dtype=jnp.float32, interpret=True)
+    ro, rlse = merge_stacked(o[:, :, :rows], lse[:, :, :rows], axis=1, out_dtype=jnp.float32)
+    assert o_m.shape == (B, rows, 512) and lse_m.shape == (B, rows)
+    _check(o_m, lse_m, ro, rlse, atol=2e-6)
+
+
+def test_decode_pallas_and_xla_merges_agree():
+    rng = np.random.default_rng(50)
+    lengths = [0, 3, 200, 77]
+    cache, pt, ln = _paged_cache(rng, lengths, 16, 14, jnp.bfloat16)
+    q = _q(rng, 4, 1, 12)
+    a = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", num_splits=5,
+                   block_k=16, out_dtype=jnp.float32, merge="pallas")
+    b = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", num_splits=5,
+                   block_k=16, out_dtype=jnp.float32, merge="xla")
+    _check(a[0], a[1], b[0], b[1], atol=1e-5)
+    with pytest.raises(ValueError, match="merge"):
+        mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", merge="cuda")

@@ -40,8 +40,9 @@ Math and shapes: see reference.py. Kernel layout:
   - "mixed" (default): QK^T reads the "tile" bf16 copy, PV converts the fp8 operand in
     registers; one fp8 buffer per stage plus one bf16 copy, the load pipelined.
 * Each program writes its normalised partial o (fp32) and lse (-inf when it saw no key); the
-  splits are merged exactly with `merge_stacked` (plain JAX, one fused XLA reduction; its
-  traffic, 2 x 4 B x 513 per row and split, is counted by the split policy).
+  splits are merged exactly by one more Pallas kernel (merge.py; `merge="xla"`: the plain-JAX
+  `merge_stacked`, ~8 XLA kernels, ~8 us at batch 1 on the H200); its traffic, 2 x 4 B x 513
+  per row and split, is counted by the split policy. One split needs no merge.
 
 Splits (`num_splits`, an int or a policy): the grid has B * head_blocks * num_splits programs;
 with equal lengths each takes the same time, so a program count just above a multiple of the
@@ -73,6 +74,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .softmax import online_softmax_step
 from .._backend import num_sms as device_sms, resolve_backend, triton_params
+from .merge import merge_splits_pallas
 from .reference import CACHE_DIM, LATENT, ROPE, merge_stacked, mla_decode_reference
 
 _LOG2E = math.log2(math.e)
@@ -81,6 +83,8 @@ _LN2 = math.log(2.0)
 SPLIT_POLICIES = ("waves", "fill")
 LOADS = ("page", "token")
 FP8_UPCASTS = ("mixed", "tile", "operand")
+FP8_DOTS = ("bf16", "fp16")
+MERGES = ("pallas", "xla")
 
 # H200 (sm_90) per-SM limits used by the occupancy estimate.
 _SMEM_PER_SM = 228 * 1024
@@ -173,14 +177,16 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     which loads are pipelined): bf16 rows 17-32 and fp32 caches: 32-key blocks, 8 warps, 3 stages
     (64-key blocks at 3 stages would not fit an fp32 tile pair in 227 KiB); 64-row blocks (many
     heads): 32-key blocks, 8 warps, 2 stages.
-    fp8: 64-key blocks, 8 warps, 3 stages, "mixed" upcast (~166 KiB, one program per SM): the
-    fastest fp8 configuration of the sweep (17.7% / 19.5% at B16 32K / B64 128K; at B1 128K
-    13.8% vs 13.9% for the first kernel's), but still slower in time than bf16.
+    fp8: 64-key blocks, 8 warps, 3 stages, "operand" upcast with fp16 dots: the fastest fp8
+    configuration of the 2026-11-30 run at every 16-head shape (GPU time; 26.7% / 29.3% / 21.4%
+    of copy bandwidth at B16 32K / B64 128K / B1 128K, 1.35-1.48x faster than the "mixed" bf16
+    configuration that was the default), but still slower in time than bf16 (Triton stages the
+    converted tile through shared memory or registers: see the module docstring).
     """
     itemsize = jnp.dtype(dtype).itemsize if dtype is not None else 2
     block_h = min(max(16, _next_pow2(rows)), 64)
     n_hblk = -(-rows // block_h)
-    fp8_upcast = "mixed"
+    fp8_upcast, fp8_dot = ("operand", "fp16") if itemsize == 1 else ("mixed", "bf16")
     if block_h == 64:
         block_k, num_warps, num_stages = 32, 8, 2
     elif itemsize == 1:
@@ -196,17 +202,17 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
                                slots=slots, itemsize=itemsize, num_sms=sms)
     load = "page" if page_size is None or page_size % block_k == 0 else "token"
     return dict(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                num_splits=splits, load=load, fp8_upcast=fp8_upcast)
+                num_splits=splits, load=load, fp8_upcast=fp8_upcast, fp8_dot=fp8_dot)
 
 
 def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
                    block_k: int, page_size: int, max_pages: int, num_splits: int,
-                   has_token_scale: bool, compute_dtype, load: str, fp8_upcast: str | None):
-    if has_token_scale:
-        tscale_ref, o_ref, lse_ref = rest
-    else:
-        tscale_ref = None
-        o_ref, lse_ref = rest
+                   has_token_scale: bool, has_row_scale: bool, compute_dtype, load: str,
+                   fp8_upcast: str | None):
+    rest = list(rest)
+    tscale_ref = rest.pop(0) if has_token_scale else None
+    qmul_ref = rest.pop(0) if has_row_scale else None
+    o_ref, lse_ref = rest
     s_idx = pl.program_id(1)
     b = pl.program_id(2)
     length = len_ref[b]
@@ -228,9 +234,16 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
     offs = jnp.arange(block_k, dtype=jnp.int32)
     zero = jnp.zeros((), cache_ref.dtype)     # typed, so an fp8 cache gets an fp8 fill value
 
+    if has_row_scale:       # fp16 dots: q rows were divided by their max |q| (fp16 range)
+        score_mult = score_mult * qmul_ref[...][:, None]
+
     def tile_upcast(x):
-        # Through fp32 and an opaque 1.0: Triton keeps this conversion where it is (one bf16
-        # copy of the tile in shared memory) instead of moving it into the dot operands.
+        # Through an opaque 1.0: Triton keeps this conversion where it is (one copy of the
+        # tile in shared memory) instead of moving it into the dot operands. bf16 goes through
+        # fp32 (Triton has no bf16 multiply); e4m3 -> fp16 is one hardware conversion and the
+        # multiply stays in fp16 (half the registers of the fp32 route).
+        if compute_dtype == jnp.float16:
+            return x.astype(jnp.float16) * one.astype(jnp.float16)
         return (x.astype(jnp.float32) * one).astype(compute_dtype)
 
     def step(carry, base, page):
@@ -270,7 +283,7 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
             kr = tile_upcast(kr)
         s = plgpu.dot(q_lat, c_qk, trans_b=True) + plgpu.dot(q_rope, kr, trans_b=True)
         if has_token_scale:
-            s = s * (ts * score_mult)[None, :]          # [bh, bk] f32
+            s = s * (ts[None, :] * score_mult)          # [bh, bk] f32
         else:
             s = s * score_mult
         ok = pos[None, :] < lim[:, None]
@@ -318,11 +331,12 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
 
 
 @functools.partial(jax.jit, static_argnames=("num_splits", "block_h", "block_k", "num_warps",
-                                             "num_stages", "load", "fp8_upcast", "interpret",
-                                             "out_dtype", "return_partials"))
+                                             "num_stages", "load", "fp8_upcast", "fp8_dot",
+                                             "interpret", "out_dtype", "return_partials",
+                                             "merge"))
 def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num_splits, block_h,
                        block_k, num_warps, num_stages, load, fp8_upcast, interpret, out_dtype,
-                       return_partials=False):
+                       fp8_dot="bf16", return_partials=False, merge="pallas"):
     B, Tq, Hq, _ = q.shape
     num_pages, page_size, _ = cache.shape
     max_pages = page_table.shape[1]
@@ -330,9 +344,18 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
     n_hblk = -(-rows // block_h)
     rows_p = n_hblk * block_h
     is_fp8 = jnp.dtype(cache.dtype).itemsize == 1
-    compute_dtype = jnp.bfloat16 if is_fp8 else cache.dtype
+    row_scale = is_fp8 and fp8_dot == "fp16"
+    compute_dtype = (jnp.float16 if row_scale else jnp.bfloat16) if is_fp8 else cache.dtype
 
-    qf = q.reshape(B, rows, CACHE_DIM).astype(compute_dtype)
+    qf = q.reshape(B, rows, CACHE_DIM)
+    if row_scale:
+        # fp16 holds e4m3 exactly and p in [0, 1] better than bf16, but not every bf16 q: each
+        # row is divided by its max |q| (in [-1, 1] then) and the score multiplied back.
+        amax = jnp.max(jnp.abs(qf.astype(jnp.float32)), axis=-1)
+        qmul = jnp.where(amax > 0, amax, 1.0)
+        qf = qf.astype(jnp.float32) / qmul[..., None]
+        qmul = jnp.pad(qmul, ((0, 0), (0, rows_p - rows)), constant_values=1.0)
+    qf = qf.astype(compute_dtype)
     if rows_p != rows:
         qf = jnp.pad(qf, ((0, 0), (0, rows_p - rows), (0, 0)))
     t_of_row = jnp.arange(rows_p, dtype=jnp.int32) // Hq
@@ -378,6 +401,9 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
     if token_scale is not None:
         in_specs.append(ts_spec)
         args.append(ts_arg)
+    if row_scale:
+        in_specs.append(pl.BlockSpec((None, block_h), lambda h, s, b: (b, h)))
+        args.append(qmul)
     out_specs = [
         pl.BlockSpec((None, None, block_h, LATENT), lambda h, s, b: (b, s, h, 0)),
         pl.BlockSpec((None, None, block_h), lambda h, s, b: (b, s, h)),
@@ -387,23 +413,30 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
     kernel = functools.partial(
         _decode_kernel, block_k=block_k, page_size=page_size, max_pages=max_pages,
         num_splits=num_splits, has_token_scale=token_scale is not None,
-        compute_dtype=compute_dtype, load=load, fp8_upcast=fp8_upcast if is_fp8 else None)
+        has_row_scale=row_scale, compute_dtype=compute_dtype, load=load, fp8_upcast=fp8_upcast if is_fp8 else None)
     o_part, lse_part = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name=f"mla_decode_bh{block_h}_bk{block_k}_{load}",
     )(*args)
-    o_part = o_part[:, :, :rows]
-    lse_part = lse_part[:, :, :rows]
     if return_partials:
-        return o_part, lse_part
-    o, lse = merge_stacked(o_part, lse_part, axis=1, out_dtype=out_dtype)
+        return o_part[:, :, :rows], lse_part[:, :, :rows]
+    if num_splits == 1:             # nothing to merge
+        o, lse = o_part[:, 0, :rows].astype(out_dtype), lse_part[:, 0, :rows]
+    elif merge == "pallas":
+        o, lse = merge_splits_pallas(o_part, lse_part, rows=rows, out_dtype=out_dtype,
+                                     interpret=interpret)
+    elif merge == "xla":
+        o, lse = merge_stacked(o_part[:, :, :rows], lse_part[:, :, :rows], axis=1,
+                               out_dtype=out_dtype)
+    else:
+        raise ValueError(f"merge={merge!r} is not one of {MERGES}")
     return o.reshape(B, Tq, Hq, LATENT), lse.reshape(B, Tq, Hq)
 
 
 def resolve_config(q_shape, cache_shape, cache_dtype, page_table_shape, *, num_splits=None,
                    block_h=None, block_k=None, num_warps=None, num_stages=None, load=None,
-                   fp8_upcast=None, num_sms=None) -> dict:
+                   fp8_upcast=None, fp8_dot=None, num_sms=None) -> dict:
     """The full static configuration mla_decode runs with: `default_config` for the shapes,
     overridden by the given values. num_splits: an int, or a policy in SPLIT_POLICIES applied
     to the (possibly overridden) block config."""
@@ -431,6 +464,10 @@ def resolve_config(q_shape, cache_shape, cache_dtype, page_table_shape, *, num_s
     if fp8_upcast not in FP8_UPCASTS:
         raise ValueError(f"fp8_upcast={fp8_upcast!r} is not one of {FP8_UPCASTS}")
     cfg["fp8_upcast"] = fp8_upcast
+    fp8_dot = fp8_dot or cfg["fp8_dot"]
+    if fp8_dot not in FP8_DOTS:
+        raise ValueError(f"fp8_dot={fp8_dot!r} is not one of {FP8_DOTS}")
+    cfg["fp8_dot"] = fp8_dot
     if num_splits is None or isinstance(num_splits, str):
         policy = num_splits or "waves"
         if policy not in SPLIT_POLICIES:
@@ -452,7 +489,8 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
                num_splits: int | str | None = None, cache_scale=None, out_dtype=None,
                block_h: int | None = None, block_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               load: str | None = None, fp8_upcast: str | None = None):
+               load: str | None = None, fp8_upcast: str | None = None,
+               fp8_dot: str | None = None, merge: str = "pallas"):
     """Absorbed MLA decode / multi-token verify over a paged latent cache.
 
     q [B, Tq, Hq, 576] (q_lat 512 | q_rope 64), cache [num_pages, page_size, 576] (bf16, fp32, or
@@ -463,7 +501,9 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
 
     Variants (None = `default_config` for the shapes): num_splits (an int, or the policy
     "waves" / "fill"), block_h, block_k, num_warps, num_stages, load ("page" / "token") and,
-    for an fp8 cache, fp8_upcast ("mixed" / "tile" / "operand"). `resolve_config` gives the
+    for an fp8 cache, fp8_upcast ("mixed" / "tile" / "operand") and fp8_dot ("bf16" / "fp16":
+    the dtype the dots run in); merge: how the splits are combined ("pallas": merge.py, one
+    launch; "xla": reference.merge_stacked). `resolve_config` gives the
     configuration a call runs with. See the module docstring.
     """
     backend = resolve_backend(backend)
@@ -480,6 +520,9 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
     cfg = resolve_config(q.shape, cache.shape, cache.dtype, page_table.shape,
                          num_splits=num_splits, block_h=block_h, block_k=block_k,
                          num_warps=num_warps, num_stages=num_stages, load=load,
-                         fp8_upcast=fp8_upcast)
+                         fp8_upcast=fp8_upcast, fp8_dot=fp8_dot)
+    if merge not in MERGES:
+        raise ValueError(f"merge={merge!r} is not one of {MERGES}")
     return _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale,
-                              interpret=backend == "interpret", out_dtype=out_dtype, **cfg)
+                              interpret=backend == "interpret", out_dtype=out_dtype,
+                              merge=merge, **cfg)

@@ -1,0 +1,91 @@
+"""Exact merge of the flash-decoding splits as one Pallas kernel (Triton lowering).
+
+`merge_stacked` (reference.py, the plain-JAX definition) does the same math; XLA runs it as about
+eight small kernels (maximum, exponentials, two reductions, divisions, selects). At batch 1 those
+cost ~8 us per decode on an H200 next to a 15-43 us attention kernel (benchmarks/results_mla.md,
+2026-11-30): more than the attention kernel's own shortfall. Here it is one launch.
+
+Grid (column blocks, rows, batch): program (c, r, b) reads the S split lses of row r (masked to
+a power of two), forms the weights w_s = exp(lse_s - max) / sum, then sums w_s * o_s[:, cols]
+over S in chunks of `s_chunk` splits (re-reading the chunk's lses: Triton cannot slice a
+register vector at a runtime offset). Empty splits (lse = -inf) weigh 0; a row with no keys at
+all gets o = 0 and lse = -inf, as in merge_stacked.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .._backend import triton_params
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _merge_kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, n_splits: int, s_pad: int,
+                  s_chunk: int, block_d: int):
+    c = pl.program_id(0)
+    r = pl.program_id(1)
+    b = pl.program_id(2)
+    sidx = jnp.arange(s_pad, dtype=jnp.int32)
+    lse = plgpu.load(lse_ref.at[b, pl.ds(0, s_pad), r], mask=sidx < n_splits, other=-jnp.inf)
+    m = jnp.max(lse)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    wsum = jnp.sum(jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - m_safe)))
+    inv = jnp.where(wsum > 0, 1.0 / jnp.where(wsum > 0, wsum, 1.0), 0.0)
+    cols = pl.ds(c * block_d, block_d)
+    coff = jnp.arange(s_chunk, dtype=jnp.int32)
+
+    def body(i, acc):
+        s0 = i * s_chunk
+        ok = (s0 + coff) < n_splits
+        lc = plgpu.load(lse_ref.at[b, pl.ds(s0, s_chunk), r], mask=ok, other=-jnp.inf)
+        w = jnp.where(lc == -jnp.inf, 0.0, jnp.exp(lc - m_safe))
+        oc = plgpu.load(o_ref.at[b, pl.ds(s0, s_chunk), r, cols], mask=ok[:, None], other=0.0)
+        return acc + jnp.sum(w[:, None] * oc, axis=0)
+
+    acc = lax.fori_loop(0, -(-n_splits // s_chunk), body, jnp.zeros((block_d,), jnp.float32))
+    out_ref[b, r, cols] = (acc * inv).astype(out_ref.dtype)
+
+    @pl.when(c == 0)
+    def _():
+        lse_out_ref[b, r] = jnp.where(wsum > 0, m_safe + jnp.log(jnp.where(wsum > 0, wsum, 1.0)),
+                                      -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "out_dtype", "interpret", "block_d",
+                                             "s_chunk", "num_warps"))
+def merge_splits_pallas(o_part, lse_part, *, rows: int, out_dtype, interpret: bool = False,
+                        block_d: int = 32, s_chunk: int = 128, num_warps: int = 4):
+    """o_part [B, S, R, D] fp32 and lse_part [B, S, R] fp32 (natural log) -> (o [B, rows, D] in
+    out_dtype, lse [B, rows] fp32), merging over S; only the first `rows` of R are merged (the
+    rest is the decode kernel's row padding).
+
+    Narrow column blocks and whole split ranges per load (block_d 32, up to 128 splits at once:
+    a [128, 32] fp32 tile, 32 registers a thread at 4 warps): at batch 1 the merge is a few
+    hundred programs of one or two dependent loads each. The first version (block_d 128,
+    16-split chunks: 64 programs of 8 dependent loads at B1, 128 splits) took 7.5 us on the
+    H200, no faster than XLA's eight kernels."""
+    B, S, R, D = o_part.shape
+    if D % block_d:
+        raise ValueError(f"feature dim {D} is not a multiple of block_d={block_d}")
+    s_pad = _next_pow2(S)
+    s_chunk = min(s_chunk, s_pad)
+    kernel = functools.partial(_merge_kernel, n_splits=S, s_pad=s_pad, s_chunk=s_chunk,
+                               block_d=block_d)
+    full = lambda shape: pl.BlockSpec(shape, lambda c, r, b: (0,) * len(shape))  # noqa: E731
+    return pl.pallas_call(
+        kernel, grid=(D // block_d, rows, B),
+        in_specs=[full((B, S, R)), full((B, S, R, D))],
+        out_specs=[full((B, rows, D)), full((B, rows))],
+        out_shape=[jax.ShapeDtypeStruct((B, rows, D), out_dtype),
+                   jax.ShapeDtypeStruct((B, rows), jnp.float32)],
+        compiler_params=triton_params(num_warps=num_warps, num_stages=2),
+        interpret=interpret, name="mla_merge_splits",
+    )(lse_part.astype(jnp.float32), o_part.astype(jnp.float32))
