@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 from kernels_pallas.kda import (kda_chunk, kda_chunk_reference, kda_decode, kda_gate,  # noqa: E402
                                 kda_recurrent, kda_verify)
 from kernels_pallas.kda.decode import kda_decode_pallas, kda_decode_reference  # noqa: E402
+from kernel_timer import kernel_times  # noqa: E402
 
 T0 = time.time()
 BUDGET = float(os.environ.get("BENCH_BUDGET_S", "380"))
@@ -237,6 +238,11 @@ def prefill(shapes):
         best = min(range(len(cfgs)), key=lambda ci: rec[f"ours_cfg{ci}_ms"])
         rec["ours_ms"], rec["ours_best_cfg"] = rec[f"ours_cfg{best}_ms"], str(cfgs[best])
         f = jax.jit(lambda q, k, v, g, b, s, cfg=cfgs[best]: kda_chunk(
+            q, k, v, g, b, initial_state=s, use_qk_l2norm=True, backend=BACKEND, config=cfg))
+        kt = None if SMOKE else kernel_times(f, q, k, v, g, beta, s0, reps=5)
+        rec["ours_kernel_ms"] = kt and kt["total_us"] / 1e3     # GPU kernels only (profiler)
+        rec["ours_kernels_ms"] = kt and {n_: t / 1e3 for n_, t in kt["by_kernel"].items()}
+        f = jax.jit(lambda q, k, v, g, b, s, cfg=cfgs[best]: kda_chunk(
             q, k, v, g, b, initial_state=s, use_qk_l2norm=True, safe_gate=True, backend=BACKEND,
             config=cfg))
         outs["ours_safe", best] = f(q, k, v, g, beta, s0)
@@ -255,10 +261,18 @@ def prefill(shapes):
                 if (name == "ours_safe") == safe:
                     rec[f"agree_{tag}_cfg{ci}"] = {"o_rel": rel(o, fo), "state_rel": rel(st, fs)}
             rec[f"{tag}_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+            if not safe:
+                import torch
+                kt = kernel_times(fn, reps=5, sync=lambda r: torch.cuda.synchronize())
+                rec["fla_kernel_ms"] = kt and kt["total_us"] / 1e3
+                rec["fla_kernels_ms"] = kt and {n_: t / 1e3 for n_, t in kt["by_kernel"].items()}
         RES["prefill"][f"B{B} T{T} H{H}"] = rec
         print(f"prefill B{B} T{T} H{H}", rec, flush=True)
         ROWS.append((f"prefill B{B} T{T} H{H} (gate checked per block vs FLA default)", rec["ours_ms"], rec["fla_ms"], "ms"))
         ROWS.append((f"prefill B{B} T{T} H{H} (safe_gate both)", rec["ours_safe_ms"], rec["fla_safe_ms"], "ms"))
+        if rec.get("ours_kernel_ms") and rec.get("fla_kernel_ms"):
+            ROWS.append((f"prefill B{B} T{T} H{H} GPU kernel time (profiler)",
+                         rec["ours_kernel_ms"], rec["fla_kernel_ms"], "ms"))
         save()
 
 
@@ -303,6 +317,8 @@ def decode(shapes):
         us_call = (time.perf_counter() - t) / n * 1e6
 
         us_dev = decode_loop_us(a, H, n)  # ours, device loop (no host dispatch)
+        # GPU kernel time per call from the profiler (no host, no loop): ours and FLA's
+        kt_ours = kernel_times(jax.jit(f), cur, reps=20)
 
         # agreement: FLA's recurrence on the same post-conv / gated inputs, then the same norm
         if FULL:
@@ -324,6 +340,7 @@ def decode(shapes):
         fo, fs = fn()
         fo, fs = from_torch(fo), from_torch(fs)
         us_fla = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+        kt_fla = kernel_times(fn, reps=20, sync=lambda r: torch.cuda.synchronize())
         us_fla_graph = None
         try:
             s = torch.cuda.Stream()
@@ -361,6 +378,10 @@ def decode(shapes):
                          us_fla_graph if us_fla_graph else float("nan"), "us"))
         rec = {"ours_us_per_call": us_call, "ours_us_device_loop": us_dev, "fla_us": us_fla,
                "fla_us_cuda_graph": us_fla_graph,
+               "ours_kernel_us": kt_ours and kt_ours["total_us"],
+               "ours_kernels": kt_ours and kt_ours["by_kernel"],
+               "fla_kernel_us": kt_fla and kt_fla["total_us"],
+               "fla_kernels": kt_fla and kt_fla["by_kernel"],
                "ours_state_TBps_device": state_bytes / (us_dev * 1e-6) / 1e12,
                "agree_fla": {"o_rel": rel(o1, fo), "state_rel": rel(s1, fs)}, "variants": variants}
         if FULL:
@@ -372,6 +393,9 @@ def decode(shapes):
                      us_fla, "us"))
         ROWS.append((f"decode B{B} H{H} device (ours loop vs FLA graph)", us_dev,
                      us_fla_graph if us_fla_graph else float("nan"), "us"))
+        if kt_ours and kt_fla:
+            ROWS.append((f"decode B{B} H{H} GPU kernel time (profiler)", kt_ours["total_us"],
+                         kt_fla["total_us"], "us"))
 
 
 @section("verify")
@@ -395,10 +419,19 @@ def verify():
             jax.block_until_ready(loop(s0))
             rec[f"bv{bv} w{nw} us_device"] = (time.perf_counter() - t) / n * 1e6
             rec[f"bv{bv} w{nw} us_call"] = tjax(jax.jit(f), s0, n=50) * 1e3
+            kt = None if SMOKE else kernel_times(jax.jit(f), s0, reps=20)
+            if kt is not None:     # GPU time of one verify call, no loop or host in it
+                rec[f"bv{bv} w{nw} us_kernel"] = kt["total_us"]
+                rec[f"bv{bv} w{nw} kernels"] = kt["by_kernel"]
     RES["verify"]["B1 H12 T4"] = rec
     best = min((v_, k_) for k_, v_ in rec.items() if k_.endswith("device"))
     print("verify", rec, flush=True)
     ROWS.append((f"verify B1 H12 T4 device ({best[1]}; target < 10 us)", best[0], float("nan"), "us"))
+    kern = [(v_, k_) for k_, v_ in rec.items() if k_.endswith("us_kernel")]
+    if kern:
+        best = min(kern)
+        ROWS.append((f"verify B1 H12 T4 GPU kernel time ({best[1]}; target < 10 us)", best[0],
+                     float("nan"), "us"))
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def kda_kernels():
     from kernels_pallas.kda.verify import kda_verify_pallas
 
     B, T, H, K = 8, 4096, 12, 128
-    cfg = ChunkConfig()
+    cfg = ChunkConfig(split_inverse=False, num_warps_inter=2, diag_inverse="substitution")
     chunk_args = (SD((B, T, H, K), jnp.bfloat16),) * 3 + (
         SD((B, T, H, K), jnp.float32), SD((B, T, H), jnp.bfloat16), SD((B, H, K, K), jnp.float32))
     chunk = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
@@ -97,12 +97,12 @@ def kda_kernels():
     ver_args = (SD((1, 4, H, K), jnp.bfloat16),) * 3 + (
         SD((1, 4, H, K), jnp.float32), SD((1, 4, H), jnp.bfloat16), SD((1, H, K, K), jnp.float32))
     ver = lambda q, k, v, g, b, s: kda_verify_pallas(q, k, v, g, b, s, use_qk_l2norm=True)
-    split = ChunkConfig(split_inverse=True)
+    split = ChunkConfig()     # the default since 2026-11-30: split launch 2, product inverse
     chunk_split = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
                                                             use_qk_l2norm=True, config=split)
     launches_split = launches[:1] + [(split.num_warps_inter, 1), (split.num_warps_inverse, 1)] + launches[2:]
-    return [("kda_chunk B8 T4096 H12 [diag, inter, wu, state, out]", chunk, chunk_args, launches),
-            ("kda_chunk split_inverse [diag, offdiag, inverse, wu, state, out]", chunk_split, chunk_args,
+    return [("kda_chunk fused (before 11-30) [diag, inter, wu, state, out]", chunk, chunk_args, launches),
+            ("kda_chunk default [diag, offdiag, inverse, wu, state, out]", chunk_split, chunk_args,
              launches_split),
             ("kda_decode B64 H12", dec, dec_args, [(8, 1)]),
             ("kda_verify B1 T4 H12", ver, ver_args, [(2, 1)])]

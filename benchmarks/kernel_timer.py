@@ -44,13 +44,15 @@ def _device_events(path: str):
     return out
 
 
-def kernel_times(fn, *args, reps: int = 10):
-    """Per-call GPU kernel times of fn(*args) (compiled and run once before the trace)."""
-    jax.block_until_ready(fn(*args))
+def kernel_times(fn, *args, reps: int = 10, sync=jax.block_until_ready):
+    """Per-call GPU kernel times of fn(*args) (compiled and run once before the trace). `sync`
+    waits for a call's result: for PyTorch peers pass e.g. `lambda r: torch.cuda.synchronize()`
+    (the profiler's CUPTI session sees every kernel of the process, not only JAX's)."""
+    sync(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(reps):
-                jax.block_until_ready(fn(*args))     # calls do not overlap: spans stay apart
+                sync(fn(*args))                      # calls do not overlap: spans stay apart
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not files:
             return None

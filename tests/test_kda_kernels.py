@@ -193,12 +193,13 @@ def test_chunk_split_inverse(dt, lengths):
     lens = None if lengths is None else jnp.array(lengths, jnp.int32)
     run = lambda cfg: kda_chunk(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=True,
                                 backend="interpret", config=cfg)
-    o, s = run(ChunkConfig(split_inverse=True))
-    fo, fs = run(ChunkConfig())
+    subst = dict(diag_inverse="substitution")
+    o, s = run(ChunkConfig(split_inverse=True, **subst))
+    fo, fs = run(ChunkConfig(split_inverse=False, num_warps_inter=2, **subst))
     assert jnp.array_equal(o, fo) and jnp.array_equal(s, fs)
     ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=True)
     assert rel(o, ro) < tol(dt) and rel(s, rs) < tol(dt), (rel(o, ro), rel(s, rs))
-    for cfg in (ChunkConfig(diag_inverse="product"), ChunkConfig(split_inverse=True, diag_inverse="product")):
+    for cfg in (ChunkConfig(split_inverse=False, diag_inverse="product"), ChunkConfig()):
         po, ps = run(cfg)  # the product form of the diagonal blocks' inverse
         assert rel(po, ro) < tol(dt) and rel(ps, rs) < tol(dt), (cfg, rel(po, ro), rel(ps, rs))
         assert rel(po, fo) < (1e-5 if dt == F32 else 1e-2), rel(po, fo)
@@ -217,7 +218,7 @@ def test_kda_kernels_lower_for_gpu(platform):
     args = (sd((B, T, H, K), jnp.bfloat16),) * 3 + (sd((B, T, H, K), F32), sd((B, T, H), jnp.bfloat16),
                                                      sd((B, H, K, K), F32))
     for cfg in (ChunkConfig(scan_groups=1), ChunkConfig(scan_groups=0),
-                ChunkConfig(split_inverse=True, diag_inverse="product")):
+                ChunkConfig(split_inverse=False, diag_inverse="substitution")):
         lower_for_gpu(lambda q, k, v, g, b, s, cfg=cfg: kda_chunk_pallas(
             q, k, v, g, b, initial_state=s, use_qk_l2norm=True, config=cfg), *args, platform=platform)
     P = H * K

@@ -51,13 +51,15 @@ MATMUL_SPAN = 80.0  # a sub-block whose decay spans more than this (natural log)
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
-    """Launch parameters of the five kernels (see module docstring). The defaults are the best of
-    the sweep on one H200 (2026-11-29, benchmarks/results_kda.md)."""
+    """Launch parameters of the kernels (see module docstring). The defaults are the best of the
+    H200 measurements (benchmarks/results_kda.md): 2026-11-29's sweep, and on 2026-11-30 the
+    split launch 2 with the product inverse (B8 T4096 H12 2.207 vs 2.690 ms fused; B1 T8192 H96
+    4.280 vs 5.299; B1 T32768 H16 3.441 vs 4.058)."""
     block_k_inter: int = 32
     block_v_state: int | None = None   # None: by occupancy (_pick_block_v)
     block_v_out: int = 64
     num_warps_diag: int = 4
-    num_warps_inter: int = 2
+    num_warps_inter: int = 4     # the off-diagonal launch when split (the fused one ran with 2)
     num_warps_wu: int = 4
     num_warps_state: int = 4
     num_stages_state: int = 2
@@ -66,13 +68,14 @@ class ChunkConfig:
     # since it was timed: B1 T32768 H16 on the H200, 8 groups 4.13 ms vs 5.18 ms sequential)
     scan_groups: int = 0
     # launch 2 as two: off-diagonal blocks (L stored in fp32), then the inverse (its own warps);
-    # the fused launch uses 255 registers and spills on sm_90 (results_kda.md). Off until timed.
-    split_inverse: bool = False
+    # the fused launch uses 255 registers and spills on sm_90 (results_kda.md). With the product
+    # inverse the split is 1.2x faster overall (2026-11-30); with substitution it was not.
+    split_inverse: bool = True
     num_warps_inverse: int = 8  # 139 registers, no spills on sm_90 (2 or 4 warps: 255 and spills)
     # the diagonal 16x16 blocks' inverse: "substitution" (15 dependent steps) or "product" (six
-    # matmuls per block, no loop); see `_invert`. The split launch measured the inverse at 0.78 ms
-    # of the 1.23 ms at B8 T4096 H12 (H200): the substitution's dependent steps are the cost.
-    diag_inverse: str = "substitution"
+    # matmuls per block, no loop); see `_invert`. Split launch at B8 T4096 H12 (H200): inverse
+    # 0.78 ms with substitution (2026-11-29), 0.217 ms with the product (2026-11-30).
+    diag_inverse: str = "product"
 
 
 def _is_pow2(n: int) -> bool:
