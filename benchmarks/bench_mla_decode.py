@@ -394,8 +394,9 @@ for B, ctx in SHAPES:
 
 # Head counts: 12 (one TP8 rank, padded to 16 rows) and 128 (all of K3's heads on one GPU,
 # compute-bound: TFLOP/s in the JSON), default configs.
-for B, ctx, heads in ([] if DRY else [(16, 32768, 12), (16, 32768, 128), (64, 32768, 128),
-                                      (1, 131072, 128)]):
+# (left out when MLA_BENCH_SHAPES names the shapes)
+for B, ctx, heads in ([] if DRY or os.environ.get("MLA_BENCH_SHAPES") else
+                      [(16, 32768, 12), (16, 32768, 128), (64, 32768, 128), (1, 131072, 128)]):
     for dtype, name in [(dt, n) for dt in DTYPES for n in ("default", "mixed-bf16")
                         if n in CONFIGS[dt]]:
         if elapsed() > BUDGET_S:

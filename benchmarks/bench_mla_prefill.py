@@ -34,10 +34,12 @@ os.makedirs(OUT, exist_ok=True)
 BACKEND = "interpret" if DRY else "pallas"
 SCALE = 1.0 / math.sqrt(192.0)
 SHAPES = [(1, 8192, 16), (1, 32768, 16), (4, 4096, 16), (1, 8192, 128)]
-CONFIGS = {"default": {}, "q128w8": dict(block_q=128, num_warps=8),
+CONFIGS = {"default": {}, "q64w4s2": dict(block_q=64, num_warps=4, num_stages=2),
+           "q128w8": dict(block_q=128, num_warps=8, num_stages=2),
            "q128w8s3": dict(block_q=128, num_warps=8, num_stages=3),
            "q128w8s4": dict(block_q=128, num_warps=8, num_stages=4),
-           "q64s3": dict(num_stages=3), "k32s3": dict(block_k=32, num_stages=3)}
+           "q64s3": dict(block_q=64, num_warps=4, num_stages=3),
+           "k32s3": dict(block_q=64, block_k=32, num_warps=4, num_stages=3)}
 if DRY:
     SHAPES = [(1, 200, 2)]
     CONFIGS = {"default": dict(block_q=32, block_k=32)}

@@ -6,6 +6,10 @@ the copy-bandwidth and dense-matmul ceilings measured in the same process. One d
   PYTHONPATH=. python benchmarks/bench_moe_gmm.py --cpu-smoke    # here: tiny shapes, interpret
   PYTHONPATH=. python benchmarks/bench_moe_gmm.py --lower-check  # here: lower every swept kernel
                           # for CUDA (H200 gpu_info, kernels_pallas/gpu_lowering.py) to Triton IR
+  PYTHONPATH=/tmp/tri:. python benchmarks/bench_moe_gmm.py --sass [variants]  # here: SASS of
+                          # the K loop per dequantised weight, registers, spill of the 64-token
+                          # MXFP4 sweep (upstream Triton 3.6 for sm_90, as kernel_resources.py;
+                          # pip install triton==3.6.0 --target /tmp/tri)
 
 Sections (env BENCH_SECTIONS, comma separated; default "ceil,decode,prefill"):
   ceil     torch copy bandwidth (read + write) and bf16 8192^3 matmul; JAX x*2 and matmul.
@@ -20,7 +24,10 @@ Sections (env BENCH_SECTIONS, comma separated; default "ceil,decode,prefill"):
   dense    (opt-in) the older correctness grid: bf16 / fp32 / MXFP4 x 3 groupings, fused GLU.
   ragged   (opt-in) jax.lax.ragged_dot as a second peer (its dense expansion takes seconds).
   glu      (opt-in) fused gate/up + SiTU at the TP8 slice.
-BENCH_VARIANTS: only these dequant variants in decode (default: all in the sweep).
+BENCH_VARIANTS: only these dequant variants in decode (default: all in the sweep). The two PTX
+variants side by side (64 and 512 tokens, every MXFP4 row also checked bit-exact), one device call:
+  BENCH_SECTIONS=ceil,decode BENCH_VARIANTS=split_asm_sub,split_asm_t PYTHONUNBUFFERED=1 \
+    PYTHONPATH=. python3 benchmarks/bench_moe_gmm.py
 BENCH_BUDGET_S (default 150): cases that would start after this many seconds are skipped (listed in
 the JSON); a watchdog writes the JSON and exits if one case hangs for BENCH_CASE_LIMIT_S (default 90).
 The JSON is rewritten after every case.
@@ -69,9 +76,13 @@ DECODE_SWEEP = [
     C(16, 64, 256, num_warps=4, num_stages=4, dequant="split_asm_sub"),           # 4.5
     C(16, 256, 128, num_warps=8, num_stages=4, dequant="split_asm_sub"),          # 4.2
     C(16, 128, 256, num_warps=4, num_stages=4, dequant="split_asm_sub", x_split="stride"),  # 5.1
+    # transposed product (wgmma, weights in registers), `_perm_t` order; 179 / 119 / 170 registers
+    C(16, 128, 256, num_warps=4, num_stages=4, dequant="split_asm_t"),            # 3.18
+    C(16, 128, 256, num_warps=8, num_stages=4, dequant="split_asm_t"),            # 3.48
+    C(16, 256, 256, num_warps=8, num_stages=3, dequant="split_asm_t"),            # 3.14
 ]
 # at 512 tokens (9 rows per expert): the baseline and the variants' best guesses only
-DECODE_SWEEP_512 = [DECODE_SWEEP[i] for i in (0, 2, 3, 4, 6, 8)]
+DECODE_SWEEP_512 = [DECODE_SWEEP[i] for i in (0, 2, 3, 4, 6, 8, 10, 11)]
 BF16_DECODE = {64: C(16, 256, 128, num_warps=8, num_stages=4),
                512: C(32, 128, 128, block_m_small=16, num_warps=4, num_stages=4)}
 PREFILL_SWEEP = [
@@ -121,6 +132,65 @@ def lower_check(lower_cuda, log=print):
             log(f"FAILED   {name}: {repr(ex)[:300]}")
     log(f"{len(sweep_cases()) - len(bad)}/{len(sweep_cases())} swept kernels lower to Triton IR")
     return bad
+
+
+def sass_report(variants=None, log=print):
+    """Compile the 64-token MXFP4 decode sweep for sm_90 with upstream Triton (no GPU needed) and
+    count the SASS of the K loop (the longest backward branch): instructions per dequantised weight
+    (per thread: block_n * block_k / threads), registers, spill bytes, the most frequent opcodes."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from kernel_resources import compile_ttir
+
+    from kernels_pallas.gpu_lowering import triton_ir
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    rows = []
+    for cfg, (name, fn, args) in zip(DECODE_SWEEP, sweep_cases()):  # the 64-token MXFP4 cases
+        assert name == f"mxfp4 tokens 64 {cfg.name()}", name
+        if variants and cfg.dequant not in variants:
+            continue
+        [ttir] = triton_ir(fn, *args)
+        k = compile_ttir(ttir, "sm_90", cfg.num_warps, cfg.num_stages)
+        with tempfile.TemporaryDirectory() as d:
+            cubin = os.path.join(d, "k.cubin")
+            with open(cubin, "wb") as fh:
+                fh.write(k.asm["cubin"])
+            usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", cubin],
+                                   capture_output=True, text=True).stdout
+            sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin],
+                                  capture_output=True, text=True).stdout
+        labels, lines, pending = {}, [], None
+        for ln in sass.splitlines():
+            m = re.match(r"\s*\.L_x_(\d+):", ln)
+            if m:
+                pending = m.group(1)
+                continue
+            m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", ln)
+            if m:
+                addr = int(m.group(1), 16)
+                if pending is not None:
+                    labels[pending], pending = addr, None
+                lines.append((addr, m.group(2).strip()))
+        loops = [(labels[b.group(1)], a) for a, ins in lines
+                 if (b := re.search(r"BRA.*\.L_x_(\d+)", ins))
+                 and labels.get(b.group(1), a + 1) <= a]
+        lo, hi = max(loops, key=lambda r: r[1] - r[0])
+        body = [re.sub(r"^@!?U?P\w+\s+", "", ins) for a, ins in lines if lo <= a <= hi]
+        ops = collections.Counter(ins.split()[0].split(".")[0] for ins in body)
+        per_thread = cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
+        regs = int((re.findall(r"REG:(\d+)", usage) or [-1])[0])
+        spill = int((re.findall(r"STACK:(\d+)", usage) or [-1])[0])
+        row = (f"{cfg.name():<44} {len(body) / per_thread:5.2f} /weight  {len(body):5d} instr  "
+               f"regs {regs:3d}  spill {spill}  "
+               + ", ".join(f"{o} {c}" for o, c in ops.most_common(8)))
+        rows.append(row)
+        log(row)
+    return rows
 
 
 def rel(a, b):
@@ -245,9 +315,10 @@ def check_variants(run, backend, variants, cpu):
     checks = {}
     cfgs = [C(16, 64 if cpu else 128, 64 if cpu else 256, num_warps=4, num_stages=4, dequant=v)
             for v in variants]
-    if "split_asm_sub" in variants:
-        cfgs.append(C(16, 64 if cpu else 128, 64 if cpu else 256, num_warps=4, num_stages=4,
-                      dequant="split_asm_sub", x_split="stride"))
+    for v in ("split_asm_sub", "split_asm_t"):
+        if v in variants:
+            cfgs.append(C(16, 64 if cpu else 128, 64 if cpu else 256, num_warps=4, num_stages=4,
+                          dequant=v, x_split="stride"))
     for cfg in cfgs:
         name = cfg.name()
         if not run.start(f"check {name}"):
@@ -581,7 +652,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--lower-check", action="store_true")
+    ap.add_argument("--sass", nargs="*", default=None, metavar="VARIANT",
+                    help="offline SASS counts of the 64-token MXFP4 sweep (optionally: variants)")
     a = ap.parse_args()
+    if a.sass is not None:
+        sass_report(a.sass or None)
+        sys.exit(0)
     if a.lower_check:
         from kernels_pallas.gpu_lowering import lower_for_gpu as lower_cuda  # noqa: E402
         sys.exit(1 if lower_check(lower_cuda) else 0)

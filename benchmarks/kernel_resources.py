@@ -25,8 +25,9 @@ from kernels_pallas.gpu_lowering import triton_ir
 SD = jax.ShapeDtypeStruct
 
 
-def _compile(ttir: str, target: str, num_warps: int, num_stages: int):
-    """-> dict(smem bytes, registers, spill) for one kernel's Triton IR on one target."""
+def compile_ttir(ttir: str, target: str, num_warps: int, num_stages: int):
+    """One kernel's Triton IR compiled by upstream Triton for `target` ("sm_90", "gfx942", ...):
+    the compiled kernel (metadata, asm["cubin"] / asm["amdgcn"])."""
     from triton._C.libtriton import ir, passes
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as tcompile
@@ -52,7 +53,13 @@ def _compile(ttir: str, target: str, num_warps: int, num_stages: int):
             gpu = GPUTarget("cuda", int(target[3:]), 32)
         else:
             gpu = GPUTarget("hip", target, 64)
-        k = tcompile(opt, target=gpu, options={"num_warps": num_warps, "num_stages": num_stages})
+        return tcompile(opt, target=gpu, options={"num_warps": num_warps,
+                                                  "num_stages": num_stages})
+
+
+def _compile(ttir: str, target: str, num_warps: int, num_stages: int):
+    """-> dict(smem bytes, registers, spill) for one kernel's Triton IR on one target."""
+    k = compile_ttir(ttir, target, num_warps, num_stages)
     out = {"smem": k.metadata.shared}
     if target.startswith("sm_"):  # registers / spill from the cubin (triton ships cuobjdump)
         import subprocess
@@ -104,13 +111,14 @@ def kda_kernels():
     return [("kda_chunk fused (before 11-30) [diag, inter, wu, state, out]", chunk, chunk_args, launches),
             ("kda_chunk default [diag, offdiag, inverse, wu, state, out]", chunk_split, chunk_args,
              launches_split),
-            ("kda_decode B64 H12", dec, dec_args, [(8, 1)]),
+            ("kda_decode B64 H12", dec, dec_args, [(4, 1)]),
             ("kda_verify B1 T4 H12", ver, ver_args, [(2, 1)])]
 
 
 def mla_kernels():
     """MLA decode at B16 32K, 16 heads, 64-token pages: the bf16 default and the fp8 variants
-    (upcast x dot dtype) at the fp8 default's blocks (64 keys, 8 warps, 3 stages)."""
+    (upcast x dot dtype) at the fp8 default's blocks (64 keys, 8 warps, 3 stages); #1 is the
+    split merge (merge.py)."""
     from kernels_pallas.mla.decode import mla_decode, resolve_config
 
     B, ctx, pages = 16, 32768, 8192
@@ -127,7 +135,8 @@ def mla_kernels():
         fn = (lambda *a, kw=kw: mla_decode(*a[:4], scale=0.07, backend="pallas",
                                            cache_scale=a[4] if len(a) > 4 else None, **kw))
         name = f"mla_decode {dt} " + " ".join(f"{k}={v}" for k, v in kw.items())
-        out.append((name, fn, args, [(cfg["num_warps"], cfg["num_stages"])]))
+        merge = [(4, 2)] if cfg["num_splits"] > 1 else []     # merge.py's launch
+        out.append((name, fn, args, [(cfg["num_warps"], cfg["num_stages"])] + merge))
     return out
 
 

@@ -36,3 +36,21 @@ def num_sms() -> int:
         return int(getattr(jax.devices()[0], "core_count", 0) or H200_SMS)
     except RuntimeError:  # no backend
         return H200_SMS
+
+
+def kernel_platform(device=None) -> str:
+    """Where a non-interpreted Pallas kernel runs: "cuda" (NVIDIA) or "rocm" (AMD) for a GPU,
+    else the device's platform ("cpu", "tpu", ...). device: default jax.devices()[0], the device
+    that jit places work on by default. jaxlib names both GPU kinds "gpu"; the client's
+    platform_version says which (as jax's own dlpack and test utilities read it), else an
+    "NVIDIA ..." device_kind means CUDA; a GPU neither names stays "gpu" (portable choices)."""
+    dev = jax.devices()[0] if device is None else device
+    plat = str(dev.platform).lower()
+    if plat == "gpu":
+        ver = str(getattr(dev.client, "platform_version", "")).lower()
+        for name in ("cuda", "rocm"):
+            if name in ver:
+                return name
+        if str(getattr(dev, "device_kind", "")).lower().startswith("nvidia"):
+            return "cuda"
+    return plat

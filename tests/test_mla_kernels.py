@@ -322,3 +322,28 @@ def test_decode_pallas_and_xla_merges_agree():
     _check(a[0], a[1], b[0], b[1], atol=1e-5)
     with pytest.raises(ValueError, match="merge"):
         mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", merge="cuda")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_rocm_default_fits_mi300x_and_lowers(dtype):
+    """On ROCm the defaults are 32-key blocks, 4 warps, 1 stage (the H200's bk64 st3 needs 147 KiB
+    of LDS; MI300X has 64 KiB), and that configuration lowers for an AMD target."""
+    from kernels_pallas.gpu_lowering import lower_for_gpu
+    from kernels_pallas.mla.decode import resolve_config, smem_bytes
+    B, ctx, pages = 16, 32768, 8192
+    c = resolve_config((B, 1, 16, 576), (pages, 64, 576), dtype, (B, ctx // 64),
+                       num_sms=304, platform="rocm")
+    assert (c["block_k"], c["num_warps"], c["num_stages"], c["load"]) == (32, 4, 1, "page")
+    assert smem_bytes(c["block_h"], c["block_k"], c["num_stages"], jnp.dtype(dtype).itemsize,
+                      c["fp8_upcast"]) <= 64 * 1024
+    sd = jax.ShapeDtypeStruct
+    kw = {k: c[k] for k in ("block_k", "num_warps", "num_stages", "num_splits")}
+    args = (sd((B, 1, 16, 576), jnp.bfloat16), sd((pages, 64, 576), dtype),
+            sd((B, ctx // 64), jnp.int32), sd((B,), jnp.int32))
+    if dtype == jnp.bfloat16:
+        lower_for_gpu(lambda q, ca, p, l: mla_decode(q, ca, p, l, scale=SCALE, backend="pallas",
+                                                    **kw), *args, platform="rocm")
+    else:
+        lower_for_gpu(lambda q, ca, p, l, s: mla_decode(q, ca, p, l, scale=SCALE, cache_scale=s,
+                                                       backend="pallas", **kw),
+                      *args, sd((pages, 64), jnp.float32), platform="rocm")

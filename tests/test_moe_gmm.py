@@ -11,8 +11,9 @@ import pytest
 
 from kernels_pallas import GmmConfig, MXFP4Weight, moe_gmm, moe_gmm_glu, moe_gmm_tile_metadata
 from kernels_pallas.moe import mxfp4
-from kernels_pallas.moe.gmm import (_BF16_MAX_SCALE, DEQUANT_VARIANTS, _dequant_split, _dequant_tile,
-                                    dequant_variant)
+from kernels_pallas.moe.gmm import (_BF16_MAX_SCALE, DEQUANT_VARIANTS, _asm_nibble, _asm_t,
+                                    _dequant_split, _dequant_split_t, _dequant_tile, _perm_t,
+                                    _perm_t_index, dequant_variant)
 
 
 def _rel(a, b):
@@ -99,7 +100,8 @@ def test_moe_gmm_matches_reference(case):
 
 @pytest.mark.parametrize("activation,wtype,dequant", [("swiglu", "bf16", "interleave"),
                                                      ("situ", "mxfp4", "interleave"),
-                                                     ("situ", "mxfp4", "split_asm_sub")])
+                                                     ("situ", "mxfp4", "split_asm_sub"),
+                                                     ("situ", "mxfp4", "split_asm_t")])
 def test_moe_gmm_glu_matches_reference(activation, wtype, dequant):
     m, k, n, g = 53, 64, 32, 6
     rng = np.random.default_rng(7)
@@ -215,27 +217,220 @@ def test_mxfp4_variant_exact_through_kernel(dequant):
         np.testing.assert_array_equal(np.asarray(y), want)
 
 
+# ---- "split_asm_t": column order, the jnp path for every byte, and its PTX emulated in numpy ----
+
+def _perm_t_reference(w, s):
+    """p(L) for L in [0, w) as documented: L = 16 s_ + 8 F + 2 t + E  <-  4 (s t + s_) + 2 F + E."""
+    out = np.empty(w, np.int64)
+    for L in range(w):
+        blk, r = divmod(L, 16 * s)
+        s_, F, t, E = r // 16, (r >> 3) & 1, (r >> 1) & 3, r & 1
+        out[L] = blk * 16 * s + 4 * (s * t + s_) + 2 * F + E
+    return out
+
+
+@pytest.mark.parametrize("s", [1, 2, 4, 8, 16])
+def test_split_asm_t_column_order(s):
+    """`_perm_t` (reshape + transpose), `_perm_t_index` (arithmetic, the strided x path) and the
+    documented formula agree, and are a permutation within each K block."""
+    w = 3 * 16 * s
+    ref = _perm_t_reference(w, s)
+    assert sorted(ref) == list(range(w))
+    got = np.asarray(_perm_t(jnp.arange(w, dtype=jnp.int32)[None, :], s))[0]
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(np.asarray(_perm_t_index(jnp.arange(w, dtype=jnp.int32), s)), ref)
+    # a thread (t) of one 16-wide step (s_) takes the 4 bytes of one word, its words contiguous
+    for t in range(4):
+        words = {ref[16 * s_ + 8 * F + 2 * t + E] // 4
+                 for s_ in range(s) for F in (0, 1) for E in (0, 1)}
+        assert words == set(range(s * t, s * t + s))
+
+
+_SCALES_T = [0, 16, 17, 60, 100, 117, 122, 126, 127, 128, 130, 142]  # 0: the all-zero group
+
+
+def _tile_every_byte(s, scale_bytes):
+    """packed [256 / (16 s), 16 s] with every byte value once; scales [rows, s] from scale_bytes."""
+    w = 16 * s
+    pb = np.arange(256, dtype=np.uint8).reshape(256 // w, w)
+    sc = np.resize(np.asarray(scale_bytes, np.uint8), (256 // w) * s).reshape(256 // w, s)
+    return pb, sc
+
+
+@pytest.mark.parametrize("s", [2, 8])
+def test_split_asm_t_jnp_exact_every_byte(s):
+    """The interpreter path of "split_asm_t" (times 2^-14, undone on the accumulator) equals the
+    codec for every byte value and scale bytes 16..142 (and 0 with zero bytes), `_perm_t` order."""
+    perm = _perm_t_reference(16 * s, s)
+    for scales in [[v] for v in _SCALES_T[1:]] + [_SCALES_T[1:]]:
+        pb, sc = _tile_every_byte(s, scales)
+        want = np.asarray(mxfp4.dequantize(pb, sc, jnp.float32))  # [rows, 32 s] natural order
+        lo, hi = _dequant_split_t(jnp.asarray(pb), jnp.asarray(sc), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(lo) * 2.0 ** 14, want[:, 2 * perm])
+        np.testing.assert_array_equal(np.asarray(hi) * 2.0 ** 14, want[:, 2 * perm + 1])
+    zero = np.zeros((2, 16 * s), np.uint8)
+    lo, hi = _dequant_split_t(jnp.asarray(zero), jnp.zeros((2, s), jnp.uint8), jnp.bfloat16)
+    assert np.all(np.asarray(lo, np.float32) == 0) and np.all(np.asarray(hi, np.float32) == 0)
+
+
+def _prmt(a, b, c):
+    """PTX prmt.b32 (default mode), uint32 arrays: output byte i = byte (c >> 4i) & 7 of the 8 bytes
+    {b, a} (a: 0-3, b: 4-7); selector bit 3 set: that byte's sign bit replicated (0x00 / 0xFF)."""
+    a, b, c = (np.asarray(v, np.uint64) & 0xFFFFFFFF for v in (a, b, c))
+    src = a | (b << np.uint64(32))
+    out = np.zeros(np.broadcast(a, b, c).shape, np.uint64)
+    for i in range(4):
+        sel = (c >> np.uint64(4 * i)) & np.uint64(0xF)
+        byte = (src >> ((sel & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+        byte = np.where(sel & np.uint64(8), np.where(byte & np.uint64(0x80), 0xFF, 0), byte)
+        out |= byte.astype(np.uint64) << np.uint64(8 * i)
+    return out.astype(np.uint32)
+
+
+def _emulate_ptx(asm, inputs, n_out):
+    """Run the integer PTX subset of our inline asm on uint32 numpy arrays ($0.. outputs, then the
+    inputs): mov, and, or, shl, shr, add.u32, mul.lo.u32, min.u16x2, prmt. Returns the outputs."""
+    regs = {f"${n_out + i}": np.asarray(v, np.uint32) for i, v in enumerate(inputs)}
+
+    def val(tok):
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return np.uint32(int(tok, 0))
+
+    def m32(v):
+        return (np.asarray(v, np.uint64) & 0xFFFFFFFF).astype(np.uint32)
+
+    for line in asm.replace("{", "").replace("}", "").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [t.strip() for t in args.split(",")]
+        x = [val(t) for t in src]
+        u = [np.asarray(v, np.uint64) for v in x]
+        if op == "mov.b32":
+            r = x[0]
+        elif op == "and.b32":
+            r = x[0] & x[1]
+        elif op == "or.b32":
+            r = x[0] | x[1]
+        elif op == "shl.b32":
+            r = m32(u[0] << u[1])
+        elif op == "shr.b32":
+            r = m32(u[0] >> u[1])
+        elif op == "add.u32":
+            r = m32(u[0] + u[1])
+        elif op == "mul.lo.u32":
+            r = m32(u[0] * u[1])
+        elif op == "min.u16x2":
+            lo = np.minimum(u[0] & 0xFFFF, u[1] & 0xFFFF)
+            hi = np.minimum(u[0] >> np.uint64(16), u[1] >> np.uint64(16))
+            r = m32(lo | (hi << np.uint64(16)))
+        elif op == "prmt.b32":
+            r = _prmt(*x)
+        else:
+            raise NotImplementedError(op)
+        regs[d] = np.asarray(r, np.uint32)
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+def _bf16_times(bits, factor_bits):
+    """bf16 bits x bf16 bits, rounded to nearest as the GPU's bf16x2 multiply does (subnormals kept:
+    exact here, every product is a power-of-two multiple of an E2M1 value) -> bf16 bits."""
+    a = (np.asarray(bits, np.uint32) << 16).view(np.float32).astype(np.float64)
+    b = (np.asarray(factor_bits, np.uint32) << 16).view(np.float32).astype(np.float64)
+    p = (a * b).astype(np.float32)
+    pb = p.view(np.uint32)
+    assert np.all((pb & 0xFFFF) == 0) or not np.all(np.isfinite(p)), "product not exact in bf16"
+    return (pb >> 16).astype(np.uint16)
+
+
+def _emulate_split_asm_t_tile(pb, sc, rng):
+    """The GPU computation of `_dequant_split_t` in numpy: `_perm_t` order, the PTX of `_asm_t`
+    run on groups of 4 bytes packed in a RANDOM order (Triton chooses the register order; the PTX
+    is elementwise, so any packing must give the same tile), then times 2^(s-15) (bf16_sub)."""
+    rows, w = pb.shape
+    s = w // 16
+    perm = _perm_t_reference(w, s)
+    pt = pb[:, perm].reshape(-1)
+    order = rng.permutation(pt.size).reshape(-1, 4)  # 4 arbitrary elements per asm instance
+    shifts = np.array([0, 8, 16, 24], np.uint32)
+    words = (pt[order].astype(np.uint32) << shifts).sum(1, dtype=np.uint32)
+    out = {}
+    for half in ("lo", "hi"):
+        r0, r1 = _emulate_ptx(_asm_t(half), [words], 2)
+        halves = np.stack([r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16], 1).astype(np.uint32)
+        flat = np.zeros(pt.size, np.uint32)
+        flat[order.reshape(-1)] = halves.reshape(-1)
+        out[half] = flat.reshape(rows, w)
+    f = (np.minimum(sc.astype(np.int64) + 112, 255) << 7).astype(np.uint32)  # 2^(s-15), bf16
+    fac = np.repeat(f, 16, axis=1)[:, perm]
+    return tuple(_bf16_times(out[h], fac) for h in ("lo", "hi"))
+
+
+@pytest.mark.parametrize("s", [2, 8])
+def test_split_asm_t_ptx_emulated_matches_jnp_path(s):
+    """The PTX of "split_asm_t" (emulated: prmt per the PTX ISA, integer ops mod 2^32), times the
+    GPU factor 2^(s-15) in bf16, gives the same bits as the interpreter's jnp path (whose own
+    encoding and factor differ: value * 2^-125 times 2^(s-16)) for every byte and scale byte
+    16..142, with the bytes packed 4 per instance in random order."""
+    rng = np.random.default_rng(5)
+    for scales in [[v] for v in _SCALES_T[1:]] + [_SCALES_T[1:]]:
+        pb, sc = _tile_every_byte(s, scales)
+        lo_e, hi_e = _emulate_split_asm_t_tile(pb, sc, rng)
+        lo, hi = _dequant_split_t(jnp.asarray(pb), jnp.asarray(sc), jnp.bfloat16)
+        np.testing.assert_array_equal(lo_e, np.asarray(lo).view(np.uint16))
+        np.testing.assert_array_equal(hi_e, np.asarray(hi).view(np.uint16))
+    # the raw PTX bits are the "split_asm_sub" encoding: sign << 15 | magnitude << 6
+    b = np.arange(256, dtype=np.uint32)
+    for half, nib in (("lo", b & 15), ("hi", b >> 4)):
+        r0, _ = _emulate_ptx(_asm_t(half), [b | (b << 8)], 2)
+        want = ((nib & 8) << 12) | ((nib & 7) << 6)
+        np.testing.assert_array_equal(r0 & 0xFFFF, want)
+        np.testing.assert_array_equal(r0 >> 16, want)
+
+
+def test_split_asm_sub_ptx_emulated():
+    """The same emulator on the existing "split_asm" / "split_asm_sub" PTX (`_asm_nibble`): both
+    give their documented bits for every byte (a check of the emulator as much as of the PTX)."""
+    b = np.arange(256, dtype=np.uint32)
+    t = _prmt(b | (b << 8), 0, 0x1404)  # the spread their asm starts with
+    for enc in ("sub", "normal"):
+        for half, nib in (("lo", b & 15), ("hi", b >> 4)):
+            code = "mov.b32 c, 0x00800080;\nmov.b32 t, $1;\n" + _asm_nibble(enc, half, "$0")
+            [r] = _emulate_ptx(code, [t], 1)
+            mag = (nib & 7) << 6
+            if enc == "normal":
+                mag = mag + np.minimum(mag, 0x80)
+            want = ((nib & 8) << 12) | mag
+            np.testing.assert_array_equal(r & 0xFFFF, want)
+            np.testing.assert_array_equal(r >> 16, want)
+
+
 def test_config_validation():
     with pytest.raises(ValueError):
         GmmConfig(dequant="nibble")
     with pytest.raises(ValueError):
         GmmConfig(x_split="gather")
     assert dequant_variant("split_asm_sub") == (True, "asm_sub")
+    assert dequant_variant("split_asm_t") == (True, "asm_t")
     assert dequant_variant("interleave") == (False, "f16")
     assert GmmConfig(16, 128, 256, dequant="split_asm", x_split="stride").name() == \
         "bm16/None_bn128_bk256_w4_s3_split_asm_xstride"
 
 
 def test_default_config_by_platform():
-    """MXFP4 decode: inline PTX ("split_asm_sub", bk256) only on CUDA with bf16 activations, the
-    portable "split" (bk128) on ROCm, CPU and the interpreter; bf16 prefill 4 stages."""
+    """MXFP4 decode: inline PTX ("split_asm_t", bk256; "split_asm_sub" for the fused gate/up)
+    only on CUDA with bf16 activations, the portable "split" (bk128) on ROCm, CPU and the
+    interpreter; bf16 prefill 4 stages."""
     from kernels_pallas.moe.gmm import default_config, kernel_platform
 
     G, K, N = 896, 3584, 768
     for tokens in (64, 512):
         c = default_config(16 * tokens, G, K, N, True, platform="cuda")
         assert (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, c.dequant) == \
-            (16, 128, 256, 4, 4, "split_asm_sub")
+            (16, 128, 256, 4, 4, "split_asm_t")
         assert default_config(16 * tokens, G, K, N // 2, True, True, platform="cuda").dequant == \
             "split_asm_sub"
         for plat in ("rocm", "cpu", "interpret", "gpu"):
@@ -291,10 +486,11 @@ def test_benchmark_sweep_lowers_for_h200():
     # the fused gate/up with a PTX variant too
     sd = jax.ShapeDtypeStruct
     w = MXFP4Weight(sd((896, 384, 1792), jnp.uint8), sd((896, 384, 112), jnp.uint8))
-    cfg = GmmConfig(16, 128, 256, num_stages=4, dequant="split_asm_sub")
-    lower_cuda(lambda a, b, c, d: moe_gmm_glu(a, b, c, d, activation="situ", backend="pallas",
-                                              config=cfg),
-               sd((1024, 3584), jnp.bfloat16), w, w, sd((896,), jnp.int32))
+    for dequant in ("split_asm_sub", "split_asm_t"):
+        cfg = GmmConfig(16, 128, 256, num_stages=4, dequant=dequant)
+        lower_cuda(lambda a, b, c, d, cfg=cfg: moe_gmm_glu(a, b, c, d, activation="situ",
+                                                           backend="pallas", config=cfg),
+                   sd((1024, 3584), jnp.bfloat16), w, w, sd((896,), jnp.int32))
 
 
 def test_moe_gmm_errors():

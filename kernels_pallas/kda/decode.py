@@ -11,6 +11,9 @@ Layouts follow the model (kimik3/layers/kda.py): qkv [B, 3P] (q | k | v projecti
 conv_state [B, W-1, 3P], conv_w [3P, W] fp32, f [B, P] raw gate projection, A_log [>= H],
 dt_bias [P], b [B, H] beta logits, gate [B, P] raw output gate, o_norm_w [K], state [B, H, K, K]
 fp32. Rounding points follow the model: the conv output is rounded to qkv's dtype before the norm.
+
+Warps: 4 (H200, 2026-11-30, device loop: B256 H96 1040 us with 4 warps, 1478 with 8, 1592 with
+16; B64 H12 46 / 59 / 72 us; B256 H12 155 / 216 / 223 us; benchmarks/results_kda.md).
 """
 from __future__ import annotations
 
@@ -83,7 +86,7 @@ def _decode_kernel(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gat
                    donate_argnames=("conv_state", "state"))
 def kda_decode_pallas(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state, *,
                       num_heads, lower_bound=None, eps=1e-5, scale=None, interpret=False,
-                      num_warps=8, early_state_load=False):
+                      num_warps=4, early_state_load=False):
     B, P3 = qkv.shape
     H = num_heads
     P = P3 // 3
@@ -153,7 +156,7 @@ def kda_decode_reference(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_
 
 
 def kda_decode(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state, *,
-               num_heads, lower_bound=None, eps=1e-5, scale=None, backend=None, num_warps=8):
+               num_heads, lower_bound=None, eps=1e-5, scale=None, backend=None, num_warps=4):
     """One decode step of a KDA layer -> (out [B, P] in qkv's dtype, new conv_state, new state).
 
     On the Pallas backends conv_state and state are donated and updated in place."""

@@ -37,11 +37,14 @@ Math and shapes: see reference.py. Kernel layout:
   - "tile": convert once through fp32 and an opaque 1.0 factor (a runtime scalar), which Triton
     leaves in place: the fp8 tile is pipelined with cp.async and both dots read bf16 copies
     (Triton makes two, one per operand layout: more shared memory).
-  - "mixed" (default): QK^T reads the "tile" bf16 copy, PV converts the fp8 operand in
-    registers; one fp8 buffer per stage plus one bf16 copy, the load pipelined.
+  - "mixed": QK^T reads the "tile" bf16 copy, PV converts the fp8 operand in registers; one
+    fp8 buffer per stage plus one bf16 copy, the load pipelined.
+  `fp8_dot` chooses the dtype the dots run in: "bf16", or "fp16" (the default, with
+  "operand"): e4m3 -> fp16 is exact and one hardware conversion, and q rows are divided by
+  their max |q| (the score multiplied back) so that no bf16 q overflows fp16.
 * Each program writes its normalised partial o (fp32) and lse (-inf when it saw no key); the
   splits are merged exactly by one more Pallas kernel (merge.py; `merge="xla"`: the plain-JAX
-  `merge_stacked`, ~8 XLA kernels, ~8 us at batch 1 on the H200); its traffic, 2 x 4 B x 513
+  `merge_stacked`, ~6 XLA kernels, ~6 us at batch 1 on the H200, vs 2.2-3.0 us); its traffic, 2 x 4 B x 513
   per row and split, is counted by the split policy. One split needs no merge.
 
 Splits (`num_splits`, an int or a policy): the grid has B * head_blocks * num_splits programs;
@@ -54,12 +57,14 @@ Shared memory (`smem_bytes`): per buffered stage block_k * 576 * itemsize, x max
 num_stages - 1), + the fp8 bf16 copies + q. For ROCm MI300X (64 KiB LDS) use block_k 32,
 num_stages 1-2, load "token" or "page".
 
-Measured on an H200 (benchmarks/results_mla.md, 2026-11-29, 16 heads, Tq 1, 64-token pages; %
-of the torch copy bandwidth, 4.24 TB/s read + write, bytes counted = cache bytes read):
-first kernel ("token" load, "fill" splits, 64-key blocks, 4 warps, 2 stages) 59.8% / 69.1% /
-43.7% at B16 32K / B64 128K / B1 128K; the bf16 default now (64-key blocks, 4 warps, 3 stages,
-"page" load, "waves" splits) 79.9% / 103.0% / 45.0%. fp8 (best: the "mixed" default) 17.7% /
-19.5% / 13.8%: still slower in time than bf16. See default_config for what was not measured.
+Measured on an H200 (benchmarks/results_mla.md; GPU time of the whole op from the profiler, %
+of the torch copy bandwidth, read + write, bytes counted = cache bytes read; 16 heads, Tq 1,
+64-token pages), 2026-11-30: bf16 default 96.7% / 104.4% / 104.7% / 108.1% at B16 32K / B64
+32K / B16 128K / B64 128K; B1 128K 78.7% and B1 32K 48.8% (a fixed ~5 us a call in this
+kernel, plus the merge's ~3 us). fp8 with the "operand" upcast and fp16 dots (the default)
+27.7% / 30.0% / 21.9% at B16 32K / B64 128K / B1 128K, 1.4x faster than the "mixed" bf16
+configuration (the default before) and still 1.8x slower than bf16 in time. See default_config
+for what was not measured.
 """
 from __future__ import annotations
 
@@ -73,7 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .softmax import online_softmax_step
-from .._backend import num_sms as device_sms, resolve_backend, triton_params
+from .._backend import kernel_platform, num_sms as device_sms, resolve_backend, triton_params
 from .merge import merge_splits_pallas
 from .reference import CACHE_DIM, LATENT, ROPE, merge_stacked, mla_decode_reference
 
@@ -160,7 +165,7 @@ def choose_num_splits(batch: int, n_hblk: int, capacity: int, block_k: int, *, r
 
 
 def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int | None = None,
-                   *, num_sms: int | None = None) -> dict:
+                   *, num_sms: int | None = None, platform: str | None = None) -> dict:
     """Block configuration for B sequences of `rows` = Tq * Hq query rows and a page table of
     `capacity` tokens: row block, key block, warps, stages, load mode, fp8 upcast, splits.
 
@@ -196,6 +201,12 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
         block_k, num_warps, num_stages = 64, 4, (3 if paged else 2)
     else:
         block_k, num_warps, num_stages = 32, 8, 3
+    if (platform or kernel_platform()) == "rocm":
+        # The H200 choices do not fit AMD: bk64 w4 st3 compiles (upstream Triton 3.6, offline)
+        # to 147 KiB of LDS (MI300X has 64 KiB) and spills 382 registers on gfx942. 32-key
+        # blocks, 4 warps (wave64), one stage: 32 KiB LDS, 328-337 VGPRs, no spill on gfx942 /
+        # gfx950, bf16 and fp8 (16 rows; benchmarks/kernel_resources.py). Not run on AMD.
+        block_k, num_warps, num_stages = min(block_k, 32), 4, 1
     sms = num_sms or device_sms()
     slots = sms * programs_per_sm(block_h, block_k, num_warps, num_stages, itemsize, fp8_upcast)
     splits = choose_num_splits(batch, n_hblk, capacity, block_k, rows_p=n_hblk * block_h,
@@ -436,15 +447,17 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
 
 def resolve_config(q_shape, cache_shape, cache_dtype, page_table_shape, *, num_splits=None,
                    block_h=None, block_k=None, num_warps=None, num_stages=None, load=None,
-                   fp8_upcast=None, fp8_dot=None, num_sms=None) -> dict:
-    """The full static configuration mla_decode runs with: `default_config` for the shapes,
+                   fp8_upcast=None, fp8_dot=None, num_sms=None, platform=None) -> dict:
+    """The full static configuration mla_decode runs with: `default_config` for the shapes (and
+    platform: "cuda" | "rocm" | ...; None: where the kernel runs, `kernel_platform()`),
     overridden by the given values. num_splits: an int, or a policy in SPLIT_POLICIES applied
     to the (possibly overridden) block config."""
     B, Tq, Hq, _ = q_shape
     page_size = cache_shape[1]
     capacity = page_table_shape[1] * page_size
     itemsize = jnp.dtype(cache_dtype).itemsize
-    cfg = default_config(B, Tq * Hq, capacity, cache_dtype, page_size, num_sms=num_sms)
+    cfg = default_config(B, Tq * Hq, capacity, cache_dtype, page_size, num_sms=num_sms,
+                         platform=platform)
     for k, v in dict(block_h=block_h, block_k=block_k, num_warps=num_warps,
                      num_stages=num_stages).items():
         if v is not None:

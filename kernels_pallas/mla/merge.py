@@ -1,9 +1,9 @@
 """Exact merge of the flash-decoding splits as one Pallas kernel (Triton lowering).
 
 `merge_stacked` (reference.py, the plain-JAX definition) does the same math; XLA runs it as about
-eight small kernels (maximum, exponentials, two reductions, divisions, selects). At batch 1 those
-cost ~8 us per decode on an H200 next to a 15-43 us attention kernel (benchmarks/results_mla.md,
-2026-11-30): more than the attention kernel's own shortfall. Here it is one launch.
+six small kernels (maximum, exponentials, two reductions, divisions, selects): ~6 us per decode
+at batch 1 on an H200, next to a 15-43 us attention kernel. Here it is one launch: 2.2-3.0 us at
+batch 1 (benchmarks/results_mla.md, 2026-11-30; B1 128K 78.7% of copy bandwidth vs 71.6%).
 
 Grid (column blocks, rows, batch): program (c, r, b) reads the S split lses of row r (masked to
 a power of two), forms the weights w_s = exp(lse_s - max) / sum, then sums w_s * o_s[:, cols]

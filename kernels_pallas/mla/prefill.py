@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .softmax import online_softmax_step
-from .._backend import resolve_backend, triton_params
+from .._backend import kernel_platform, resolve_backend, triton_params
 
 NOPE = 128
 QK_ROPE = 64
@@ -151,11 +151,28 @@ def mla_prefill_chunked(q, k, v, lengths, *, scale, chunk: int = 512):
     return jnp.swapaxes(o, 1, 2).astype(q.dtype), jnp.swapaxes(lse, 1, 2)
 
 
+def default_blocks(platform: str) -> dict:
+    """(block_q, block_k, num_warps, num_stages) by platform. CUDA: 128-query blocks, 8 warps, 4
+    stages, the fastest of the H200 sweep of 2026-11-30 at every shape but one
+    (benchmarks/results_mla.md: 966 vs 1000 us at B1 T8192 H16, 13143 vs 14000 us at T32768; at
+    B4 T4096 equal); still 0.70-0.78x cuDNN. Elsewhere (ROCm, the interpreter) 64 x 64 blocks, 4
+    warps, 2 stages: ~40 KiB a stage, inside MI300X's 64 KiB LDS (not measured on AMD)."""
+    if platform == "cuda":
+        return dict(block_q=128, block_k=64, num_warps=8, num_stages=4)
+    return dict(block_q=64, block_k=64, num_warps=4, num_stages=2)
+
+
 def mla_prefill(q, k, v, lengths, *, scale, backend: str | None = None, return_lse: bool = False,
-                block_q: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 2,
-                chunk: int = 512):
-    """Causal variable-length MLA prefill attention (expanded form). See the module docstring."""
+                block_q: int | None = None, block_k: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None, chunk: int = 512):
+    """Causal variable-length MLA prefill attention (expanded form). See the module docstring.
+    Block sizes left None come from `default_blocks` for the platform the kernel runs on."""
     backend = resolve_backend(backend)
+    d = default_blocks("interpret" if backend == "interpret" else kernel_platform())
+    block_q = d["block_q"] if block_q is None else block_q
+    block_k = d["block_k"] if block_k is None else block_k
+    num_warps = d["num_warps"] if num_warps is None else num_warps
+    num_stages = d["num_stages"] if num_stages is None else num_stages
     if q.shape[-1] != QK_DIM or k.shape[-1] != QK_DIM or v.shape[-1] != V_DIM:
         raise ValueError(f"q, k must end in {QK_DIM} and v in {V_DIM}: "
                          f"{q.shape}, {k.shape}, {v.shape}")

@@ -36,14 +36,44 @@ times 2^-14 in the activation dtype; the 2^14 is applied once to the fp32 accumu
     16..142): it relies on the bf16x2 multiply taking the subnormal 0.5 exactly, as NVIDIA GPUs do
     (the CPU flushes it, so the interpreter runs the "split_asm" bits instead); the benchmark checks
     every byte bit-exactly on the device.
+  "split_asm_t": the "split_asm_sub" weights (same bits, factor, scale bytes 16..142) in a
+    transposed product, out^T = W_lo . x_even^T + W_hi . x_odd^T: the dequantised weights are the
+    dot's first operand, so on the H200 Triton issues wgmma with them in registers and x read from
+    shared memory (in "split_asm_sub", x's mma.sync fragments cost 0.5 instructions per weight in
+    register copies: Triton loads them as pairs that straddle the quads). The packed columns of
+    each K block are taken in a fixed order (`_perm_t`), x's even/odd columns gathered in the same
+    order (outside the kernel with K padded to whole blocks, or by the strided x indices), so that
+    a thread's registers for one 16-wide step of a weight row come from the four bytes of one 32-bit
+    word; each thread then needs 2 scale groups per row (8 scale bytes per K block instead of 32),
+    and Triton loads the packed tile with 128-bit ld.shared (no ldmatrix needed). Its PTX per
+    4 bytes (from two rows): prmt places each row's two bytes 16 bits apart, and keeps the two
+    nibbles, one integer multiply (by 2^6 + 2^12, or 2^2 + 2^8 for the high nibbles) writes each
+    nibble twice without overlap, and keeps bits 6-8 and 15 of each half: as many instructions as
+    the "split_asm_sub" PTX, one per two weights an IMAD (FMA pipe) where that has an integer-ALU
+    shift. Elementwise exact like the other PTX (output i depends on input byte i only), so the
+    weights do not depend on Triton's register order; the interpreter computes the "split_asm" bits
+    in the same column order. The fp32 sums run in another order than in the other variants
+    (permuted K, wgmma), so outputs agree with theirs to rounding, the weights bit for bit (the
+    one-hot device check is exact). CUDA only, like the other "split_asm*" variants.
 Triton notes (upstream Triton 3.6 compiled for sm_90 on CPU, SASS of the K loop, decode tile 16 x 128
 x 256, per dequantised weight): interleave 9.5 instructions (3.8 on the integer pipe), split 8.7,
-split_bf16 7.9, split_asm 5.3, split_asm_sub 4.0. The join + reshape and the scale reshape are
-absorbed by Triton's linear layouts (no shared-memory round trip: the dequantised tile is produced
-in the dot-operand layout), so the cost is the per-element integer work, which Triton issues once per
-element (only the PTX variants process two nibbles per instruction). A per-32-column-group loop with
-[block_n, 1] scale columns (a variant tried) was slower: 13 instructions, with a shared-memory round
-trip per group.
+split_bf16 7.9, split_asm 5.3, split_asm_sub 4.0 (nibble PTX 1.75, scale multiply 0.5, x fragment
+copies 0.51, scale factors 0.46, mma 0.25, loads / addresses / loop 0.55), split_asm_t 3.18 (nibble
+PTX 1.75 + 0.125 to pack the bytes of two rows, scale multiply 0.5, scale factors 0.11, wgmma
+0.125, loads 0.12, addresses / loop / wgmma bookkeeping 0.44; 179 registers vs 150, no spill). The
+join + reshape and the scale reshape are absorbed by Triton's linear layouts (no shared-memory round
+trip: the dequantised tile is produced in the dot-operand layout), so the cost is the per-element
+integer work, which Triton issues once per element (only the PTX variants process two nibbles per
+instruction). A per-32-column-group loop with [block_n, 1] scale columns (a variant tried) was
+slower: 13 instructions, with a shared-memory round trip per group. Tried and not kept: prmt as a
+byte table (entries: the low and high bytes of the bf16 values, sign included; a selector needs each
+nibble's two low and two high bits in two selector nibbles: 3 instructions per 4 weights, so no
+fewer than the multiply, and ptxas re-materialised the table register from a uniform register at
+every use: 4.59 per weight in the "split_asm_sub" kernel); the packed weights as 32-bit words (a
+pair per word needs no prmt: 13 instead of 15 instructions per 8 weights) need an int32 view of the
+uint8 array, which XLA computes as a pass over all weights (seen on XLA:CPU, which expands the
+bitcast-convert into shifts), and building the words in the kernel (a reduction) breaks Triton's
+layout propagation (a shared-memory round trip).
 """
 from __future__ import annotations
 
@@ -54,7 +84,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._backend import resolve_backend, triton_params
+from .._backend import kernel_platform, resolve_backend, triton_params
 from . import mxfp4
 from .reference import MXFP4Weight, glu, is_mxfp4, moe_gmm_glu_reference, moe_gmm_reference
 
@@ -64,17 +94,17 @@ _BF16_MAX_SCALE = 254 - _BF16_SCALE_BIAS  # 143: the largest scale byte the bf16
 
 # MXFP4 dequantisation variants (GmmConfig.dequant); see the module docstring.
 DEQUANT_VARIANTS = ("interleave", "interleave_bf16", "split", "split_bf16", "split_asm",
-                    "split_asm_sub")
+                    "split_asm_sub", "split_asm_t")
 X_SPLITS = ("pre", "stride")
 
 
 def dequant_variant(name: str):
-    """(split, bits) of a `GmmConfig.dequant` name; bits: "f16" | "bf16" | "asm" | "asm_sub" (how
-    a nibble becomes a number: `_nibble_bits`, `_nibble_asm`)."""
+    """(split, bits) of a `GmmConfig.dequant` name; bits: "f16" | "bf16" | "asm" | "asm_sub" |
+    "asm_t" (how a nibble becomes a number: `_nibble_bits`, `_nibble_asm`, `_nibble_asm_t`)."""
     if name not in DEQUANT_VARIANTS:
         raise ValueError(f"dequant={name!r} is not one of {DEQUANT_VARIANTS}")
     bits = "f16"
-    for b in ("bf16", "asm_sub", "asm"):
+    for b in ("bf16", "asm_sub", "asm_t", "asm"):
         if name.endswith(b):
             bits = b
             break
@@ -87,7 +117,7 @@ class GmmConfig:
     for short tiles, warps, software-pipeline stages, and for MXFP4 weights the dequantisation
     variant and how x's even/odd columns are separated (see the module docstring).
 
-    The PTX variants ("split_asm", "split_asm_sub") exist only on NVIDIA GPUs (inline PTX; there
+    The PTX variants ("split_asm*") exist only on NVIDIA GPUs (inline PTX; there
     is no ROCm equivalent, and Pallas' Triton lowering is also used on AMD). A config that names
     one is taken as given: compiling it for ROCm fails. `default_config` picks one only when
     `kernel_platform()` (or its `platform` argument) says the kernel runs on a CUDA device.
@@ -124,24 +154,6 @@ class GmmConfig:
         return per_stage * max(self.num_stages - 1, 1)
 
 
-def kernel_platform(device=None) -> str:
-    """Where a non-interpreted Pallas kernel runs: "cuda" (NVIDIA) or "rocm" (AMD) for a GPU,
-    else the device's platform ("cpu", "tpu", ...). device: default jax.devices()[0], the device
-    that jit places work on by default. jaxlib names both GPU kinds "gpu"; the client's
-    platform_version says which (as jax's own dlpack and test utilities read it), else an
-    "NVIDIA ..." device_kind means CUDA; a GPU neither names stays "gpu" (portable choices)."""
-    dev = jax.devices()[0] if device is None else device
-    plat = str(dev.platform).lower()
-    if plat == "gpu":
-        ver = str(getattr(dev.client, "platform_version", "")).lower()
-        for name in ("cuda", "rocm"):
-            if name in ver:
-                return name
-        if str(getattr(dev, "device_kind", "")).lower().startswith("nvidia"):
-            return "cuda"
-    return plat
-
-
 def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = False, *,
                    platform: str | None = None, x_dtype=jnp.bfloat16) -> GmmConfig:
     """Block sizes by regime: rows per group decides decode (weight streaming) vs prefill.
@@ -149,9 +161,9 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
     platform: where the kernel will run, "cuda" | "rocm" | anything else (e.g. "cpu", or
     "interpret" for the Pallas interpreter); None: `kernel_platform()`. moe_gmm / moe_gmm_glu pass
     "interpret" for backend="interpret" and None otherwise. It decides only the MXFP4 decode
-    dequantisation (and its K block): "split_asm_sub" (inline PTX) on "cuda" with bf16
-    activations (x_dtype; the only case checked bit-exact on the device), the portable "split"
-    everywhere else, ROCm included.
+    dequantisation (and its K block): "split_asm_t" ("split_asm_sub" for the fused gate/up;
+    inline PTX) on "cuda" with bf16 activations (x_dtype; the only case checked bit-exact on the
+    device), the portable "split" everywhere else, ROCm included.
 
     Measured on one H200 (2026-11-29, benchmarks/results_moe.md) at K3's TP8 gate+up slice
     (896 experts, top-16, K 3584, N 768; torch._grouped_mm on the same inputs in the same run;
@@ -181,8 +193,12 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
                              num_stages=4)
         on_cuda = (platform or kernel_platform()) == "cuda"
         asm = on_cuda and jnp.dtype(x_dtype) == jnp.bfloat16
+        # "split_asm_t" (2026-11-30: 0.374 vs 0.396 ms at 64 tokens, 0.585 vs 0.617 at 512,
+        # bit-exact on the device) for the plain matmul; the fused gate/up keeps "split_asm_sub"
+        # (its "split_asm_t" form compiles to 255 registers offline and was not timed).
+        asm_variant = "split_asm_sub" if glu_ else "split_asm_t"
         return GmmConfig(block_m=16, block_n=bn, block_k=_fit_k(256 if on_cuda else 128, k),
-                         num_warps=4, num_stages=4, dequant="split_asm_sub" if asm else "split")
+                         num_warps=4, num_stages=4, dequant=asm_variant if asm else "split")
     if rows_per_group < 96:
         return GmmConfig(block_m=64, block_n=bn, block_k=_fit_k(64, k), block_m_small=16,
                          num_warps=4, num_stages=4)
@@ -341,6 +357,74 @@ def _dequant_split(pb, sb, dtype, bits: str = "f16", use_asm: bool = False):
     return _scaled(lo, sf, b, dtype), _scaled(hi, sf, b, dtype)
 
 
+# "split_asm_t". Packed columns are taken in a fixed order per K block (`_perm_t`), x's even / odd
+# columns in the same order (outside the kernel, or in the strided x indices), so the product is
+# unchanged. Within a block of w = 16 S packed columns (S = block_k / 32 steps of 16 along the dot's
+# K), logical column L = 16 s + 8 F + 2 t + E (s < S; F, E < 2; t < 4) holds physical column
+# p(L) = 4 (S t + s) + 2 F + E: the four columns of a weight row that a thread of the transposed
+# product (weights as the dot's first operand; Triton's wgmma / mma register layout, two consecutive
+# K per register, thread t of a quad holding 2 t, 2 t + 1, 2 t + 8, 2 t + 9) needs for one 16-wide
+# step are the four bytes of one 32-bit word, and its S words are contiguous (vector loads).
+def _perm_t(v, s: int):
+    """Last axis (a multiple of 16 s) from physical to `split_asm_t` logical order: v'[.., L] =
+    v[.., p(L)] per block of 16 s (reshape + transpose: a relabeling of registers in Triton)."""
+    *lead, w = v.shape
+    n = len(lead)
+    v = v.reshape(*lead, w // (16 * s), 4, s, 2, 2)  # block, t, s, F, E (the physical order)
+    v = jnp.transpose(v, (*range(n), n, n + 2, n + 3, n + 1, n + 4))  # block, s, F, t, E
+    return v.reshape(*lead, w)
+
+
+def _perm_t_index(j, s: int):
+    """p(L) for logical indices j (int32 array) within blocks of 16 s (`_perm_t`, as arithmetic)."""
+    blk, r = j // (16 * s), j % (16 * s)
+    return blk * (16 * s) + 4 * (s * ((r >> 1) & 3) + (r >> 4)) + 2 * ((r >> 3) & 1) + (r & 1)
+
+
+# PTX of "split_asm_t": 4 packed bytes ($2) -> bf16 of their low (or high) nibbles ($0, $1), the
+# "split_asm_sub" bits (value * 2^-126: sign at bit 15, magnitude at bits 6-8). prmt places bytes
+# 0, 1 (then 2, 3) in the low bytes of the two 16-bit halves; and keeps the two nibbles; one integer
+# multiply by 2^6 + 2^12 (low nibbles, bits 0-3) or 2^2 + 2^8 (high, bits 4-7) writes each nibble
+# twice in its half, at bits 6-9 and 12-15 (no overlap, so no carries); and keeps bits 6-8
+# (magnitude) and 15 (sign) of each half. 3.5 instructions per two weights, as the "split_asm_sub"
+# PTX, one of them an IMAD (FMA pipe) instead of an integer-ALU shift. Output slot i depends only on
+# input byte i: elementwise exact whatever register order Triton packs into one asm instance.
+def _asm_t(half: str) -> str:
+    mask, mul = ("0x000F000F", "0x1040") if half == "lo" else ("0x00F000F0", "0x104")
+    code = "{\n.reg .b32 t;\n"
+    for r, sel in enumerate(("0x4140", "0x4342")):
+        code += (f"prmt.b32 t, $2, 0, {sel};\nand.b32 t, t, {mask};\nmul.lo.u32 t, t, {mul};\n"
+                 f"and.b32 ${r}, t, 0x81C081C0;\n")
+    return code + "}"
+
+
+def _nibble_asm_t(pb):
+    """(low, high) nibbles of packed bytes as inline PTX (CUDA only), value * 2^-126 in bf16."""
+    from jax.experimental.pallas import triton as plgpu
+
+    return tuple(plgpu.elementwise_inline_asm(
+        _asm_t(half), args=[pb], constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(pb.shape, jnp.bfloat16)])[0]
+        for half in ("lo", "hi"))
+
+
+def _dequant_split_t(pb, sb, dtype, use_asm: bool = False):
+    """"split_asm_t": packed [bn, w] uint8 (w = 16 s, one K block) + scales [bn, w/16] -> (low,
+    high) nibble weights [bn, w] in `dtype`, times 2^-14, columns in `_perm_t` order.
+
+    On the GPU the PTX bits (value * 2^-126) times 2^(s-15); elsewhere the "bf16" bits (value *
+    2^-125) times 2^(s-16): the same products (the CPU flushes the subnormal 0.5 of the former)."""
+    w = pb.shape[-1]
+    s = w // 16
+    pt = _perm_t(pb, s)
+    if use_asm:
+        (lo, hi), enc = _nibble_asm_t(pt), "bf16_sub"
+    else:
+        (lo, hi), enc = _nibble_bits(pt, "bf16"), "bf16"
+    sf = _perm_t(_expand_groups(_scale_factor(sb, enc), mxfp4.GROUP // 2), s)
+    return _scaled(lo, sf, "bf16", dtype), _scaled(hi, sf, "bf16", dtype)
+
+
 def _load(ref, mask):
     from jax.experimental.pallas import triton as plgpu
 
@@ -377,8 +461,16 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
             mask = mask & col_ok[None, :]
         plgpu.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], val.astype(o_ref.dtype), mask=mask)
 
+    # "split_asm_t": the transposed product w [bn, kk] . x [bm, kk]^T -> [bn, bm] (weights as the
+    # first operand: on the H200 a wgmma with the dequantised weights in registers and x read from
+    # shared memory); columns in `_perm_t` order (x_ref holds them so, or `stride` indexes them).
+    transposed = quant and bits == "asm_t"
+    perm_s = half // 16  # `_perm_t` steps per K block
+
     def mm(xb, wb):
-        """x [bm, kk] . w [bn, kk]^T -> [bm, bn]."""
+        """x [bm, kk] . w [bn, kk]^T -> [bm, bn] ([bn, bm] when transposed)."""
+        if transposed:
+            return plgpu.dot(wb, xb, trans_b=True, precision=precision)
         return plgpu.dot(xb, wb, trans_b=True, precision=precision)
 
     def compute(bm):
@@ -388,16 +480,20 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
         def load_x(c0, width, part=None):
             """x columns [c0, c0 + width); part 0/1: of x's even/odd columns (c0 in half units)."""
             limit = k
+            kcol = c0 + jnp.arange(width, dtype=jnp.int32)
             if part is None:
                 ref = x_ref.at[pl.ds(r0, bm), pl.ds(c0, width)]
-            elif cfg.x_split == "pre":  # x_ref is [2, M, K/2]
-                ref, limit = x_ref.at[jnp.int32(part), pl.ds(r0, bm), pl.ds(c0, width)], hk
+            elif cfg.x_split == "pre":  # x_ref is [2, M, K/2] ("split_asm_t": permuted, padded)
+                ref = x_ref.at[jnp.int32(part), pl.ds(r0, bm), pl.ds(c0, width)]
+                limit = x_ref.shape[-1]
             else:  # every other column of x (index arrays: the interpreter has no strided loads)
-                idx = 2 * (c0 + jnp.arange(width, dtype=jnp.int32)) + part
+                if transposed:
+                    kcol = _perm_t_index(kcol, perm_s)
+                idx = 2 * kcol + part
                 ref, limit = x_ref.at[rows[:, None], idx[None, :]], hk
             mask = row_ok[:, None]
             if k_ragged:
-                mask = mask & (c0 + jnp.arange(width, dtype=jnp.int32) < limit)[None, :]
+                mask = mask & (kcol < limit)[None, :]
             return plgpu.load(ref, mask=mask, other=0).astype(cdt)
 
         def wmask(c0, width, limit):
@@ -429,18 +525,23 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
                 pb = _load(p_ref.at[grp, pl.ds(n0, bn), pl.ds(h0, half)], wmask(h0, half, hk))
                 sb = _load(s_ref.at[grp, pl.ds(n0, bn), pl.ds(s0, ng)],
                            wmask(s0, ng, k // mxfp4.GROUP))
-                if split:
+                if transposed:
+                    lo, hi = _dequant_split_t(pb, sb, cdt, use_asm)
+                    out.append(acc + mm(xe, lo) + mm(xo, hi))
+                elif split:
                     lo, hi = _dequant_split(pb, sb, cdt, bits, use_asm)
                     out.append(acc + mm(xe, lo) + mm(xo, hi))
                 else:
                     out.append(acc + mm(xb, _dequant_tile(pb, sb, cdt, bits)))
             return tuple(out)
 
-        accs = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(n_w))
+        shape = (bn, bm) if transposed else (bm, bn)
+        accs = tuple(jnp.zeros(shape, jnp.float32) for _ in range(n_w))
         accs = jax.lax.fori_loop(0, n_k, body, accs)
         if quant:
             accs = tuple(a * _F16_SHIFT for a in accs)
-        store(bm, epilogue(*accs))
+        val = epilogue(*accs)
+        store(bm, val.T if transposed else val)
 
     is_zero = grp == g_count
     is_work = (grp >= 0) & (grp < g_count) & (r1 > r0)
@@ -497,7 +598,12 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
         raise ValueError(f"MXFP4 needs block_k and K multiples of {mxfp4.GROUP}")
     x_in = x
     if quant and dequant_variant(cfg.dequant)[0] and cfg.x_split == "pre":
-        x_in = jnp.moveaxis(x.reshape(m, k // 2, 2), 2, 0)  # [2, M, K/2]: even, odd columns
+        xp = x
+        if cfg.dequant == "split_asm_t" and k % cfg.block_k:  # whole K blocks for `_perm_t`
+            xp = jnp.pad(x, ((0, 0), (0, -k % cfg.block_k)))
+        x_in = jnp.moveaxis(xp.reshape(m, xp.shape[1] // 2, 2), 2, 0)  # [2, M, K/2]: even, odd
+        if cfg.dequant == "split_asm_t":
+            x_in = _perm_t(x_in, cfg.block_k // 32)
     meta = tile_metadata(group_sizes, m, cfg.block_m)
     n_tiles = meta.shape[1]
     flat_w = []
