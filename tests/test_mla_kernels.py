@@ -293,10 +293,12 @@ def test_prefill(dtype):
         _check(o, lse, ro, rlse, atol=atol)
 
 
-@pytest.mark.parametrize("B,S,R,rows", [(2, 5, 16, 12), (1, 33, 16, 16), (3, 1, 16, 16)])
+@pytest.mark.parametrize("B,S,R,rows", [(2, 5, 16, 12), (1, 33, 16, 16), (3, 1, 16, 16),
+                                        (1, 200, 16, 16)])
 def test_merge_kernel_matches_merge_stacked(B, S, R, rows):
     """The one-launch Pallas merge == the plain-JAX merge: split counts that are not powers of
-    two and span several chunks, padded rows left out, empty splits, a row with no keys."""
+    two and span several 128-split chunks (200), padded rows left out, empty splits, a row with
+    no keys."""
     from kernels_pallas.mla.merge import merge_splits_pallas
     rng = np.random.default_rng(S)
     o = jnp.asarray(rng.standard_normal((B, S, R, 512)), jnp.float32)

@@ -329,8 +329,8 @@ def _emulate_ptx(asm, inputs, n_out):
             r = m32(lo | (hi << np.uint64(16)))
         elif op == "prmt.b32":
             r = _prmt(*x)
-        else:
-            raise NotImplementedError(op)
+        else:   # the emulator knows exactly the opcodes our PTX uses; a new one must be added
+            raise ValueError(f"PTX opcode {op!r} is not emulated: add its semantics above")
         regs[d] = np.asarray(r, np.uint32)
     return [regs[f"${i}"] for i in range(n_out)]
 

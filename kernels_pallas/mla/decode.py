@@ -43,9 +43,9 @@ Math and shapes: see reference.py. Kernel layout:
   "operand"): e4m3 -> fp16 is exact and one hardware conversion, and q rows are divided by
   their max |q| (the score multiplied back) so that no bf16 q overflows fp16.
 * Each program writes its normalised partial o (fp32) and lse (-inf when it saw no key); the
-  splits are merged exactly by one more Pallas kernel (merge.py; `merge="xla"`: the plain-JAX
-  `merge_stacked`, ~6 XLA kernels, ~6 us at batch 1 on the H200, vs 2.2-3.0 us); its traffic, 2 x 4 B x 513
-  per row and split, is counted by the split policy. One split needs no merge.
+  splits are merged exactly by one more Pallas kernel (merge.py, 2.2-3.0 us at batch 1 on the
+  H200; `merge="xla"`: the plain-JAX `merge_stacked`, ~6 XLA kernels, ~6 us); its traffic,
+  2 x 4 B x 513 per row and split, is counted by the split policy. One split needs no merge.
 
 Splits (`num_splits`, an int or a policy): the grid has B * head_blocks * num_splits programs;
 with equal lengths each takes the same time, so a program count just above a multiple of the
@@ -348,6 +348,8 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
 def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num_splits, block_h,
                        block_k, num_warps, num_stages, load, fp8_upcast, interpret, out_dtype,
                        fp8_dot="bf16", return_partials=False, merge="pallas"):
+    if merge not in MERGES:
+        raise ValueError(f"merge={merge!r} is not one of {MERGES}")
     B, Tq, Hq, _ = q.shape
     num_pages, page_size, _ = cache.shape
     max_pages = page_table.shape[1]
@@ -362,9 +364,10 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
     if row_scale:
         # fp16 holds e4m3 exactly and p in [0, 1] better than bf16, but not every bf16 q: each
         # row is divided by its max |q| (in [-1, 1] then) and the score multiplied back.
-        amax = jnp.max(jnp.abs(qf.astype(jnp.float32)), axis=-1)
+        q32 = qf.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(q32), axis=-1)
         qmul = jnp.where(amax > 0, amax, 1.0)
-        qf = qf.astype(jnp.float32) / qmul[..., None]
+        qf = q32 / qmul[..., None]
         qmul = jnp.pad(qmul, ((0, 0), (0, rows_p - rows)), constant_values=1.0)
     qf = qf.astype(compute_dtype)
     if rows_p != rows:
@@ -424,7 +427,8 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
     kernel = functools.partial(
         _decode_kernel, block_k=block_k, page_size=page_size, max_pages=max_pages,
         num_splits=num_splits, has_token_scale=token_scale is not None,
-        has_row_scale=row_scale, compute_dtype=compute_dtype, load=load, fp8_upcast=fp8_upcast if is_fp8 else None)
+        has_row_scale=row_scale, compute_dtype=compute_dtype, load=load,
+        fp8_upcast=fp8_upcast if is_fp8 else None)
     o_part, lse_part = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
@@ -437,11 +441,9 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
     elif merge == "pallas":
         o, lse = merge_splits_pallas(o_part, lse_part, rows=rows, out_dtype=out_dtype,
                                      interpret=interpret)
-    elif merge == "xla":
+    else:
         o, lse = merge_stacked(o_part[:, :, :rows], lse_part[:, :, :rows], axis=1,
                                out_dtype=out_dtype)
-    else:
-        raise ValueError(f"merge={merge!r} is not one of {MERGES}")
     return o.reshape(B, Tq, Hq, LATENT), lse.reshape(B, Tq, Hq)
 
 
@@ -534,8 +536,6 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
                          num_splits=num_splits, block_h=block_h, block_k=block_k,
                          num_warps=num_warps, num_stages=num_stages, load=load,
                          fp8_upcast=fp8_upcast, fp8_dot=fp8_dot)
-    if merge not in MERGES:
-        raise ValueError(f"merge={merge!r} is not one of {MERGES}")
     return _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale,
                               interpret=backend == "interpret", out_dtype=out_dtype,
                               merge=merge, **cfg)
