@@ -26,7 +26,12 @@ kernel configurations x (16 heads; B 1 / 16 / 64; 32K / 128K; bf16 and fp8 cache
    wall_us), each call running n_inner (2-4) decodes over different page tables of one 9.7 GB
    page pool (page size 64, pages shuffled), so no case is served from L2. Then 12 heads (one
    TP8 rank, padded to 16 rows) and 128 heads at a few shapes.
-   MLA_BENCH_CONFIGS="bf16:default,fp8:tile-f16" keeps only the named configurations.
+   MLA_BENCH_CONFIGS="bf16:default,fp8:tile-f16" keeps only the named configurations;
+   MLA_BENCH_EXTRA="bf16:p16:partials=bfloat16;bf16:sp66:num_splits=66" adds configurations
+   (dtype:name:key=value,...; ints where they parse). The head-count rows: MLA_BENCH_HEADS=
+   "16x32768x128,1x131072x96" (B x ctx x heads) and MLA_BENCH_HEAD_CONFIGS="default,bk64s2"
+   (names from CONFIGS; default "default,mixed-bf16"); MLA_BENCH_SHAPE_CONFIGS="default,p16": the
+   names the 16-head shapes run (default: all).
 Writes $OUT/bench_mla.json after every case and $OUT/bench_mla.log; prints a table last
 (% of the torch copy bandwidth; best config per shape).
 """
@@ -80,6 +85,19 @@ CONFIGS = {
         "tile-f16-s1": dict(fp8_upcast="tile", num_stages=1),
     },
 }
+
+
+def _parse_value(v):
+    try:
+        return int(v)
+    except ValueError:
+        return v
+
+
+for _item in filter(None, os.environ.get("MLA_BENCH_EXTRA", "").split(";")):
+    _dt, _name, _kv = _item.split(":")
+    CONFIGS[_dt][_name] = {k: _parse_value(v) for k, v in
+                           (kv.split("=") for kv in _kv.split(",") if kv)}
 if os.environ.get("MLA_BENCH_CONFIGS"):    # e.g. "bf16:default,fp8:default": only these
     _keep = {tuple(c.split(":")) for c in os.environ["MLA_BENCH_CONFIGS"].split(",")}
     CONFIGS = {dt: {n: c for n, c in cs.items() if (dt, n) in _keep} for dt, cs in CONFIGS.items()}
@@ -156,10 +174,10 @@ POOL_PAGES = POOL_TOKENS // PAGE
 
 
 def full_cfg(B, ctx, dtype, cfg, heads=HEADS):
-    kw = {k: v for k, v in cfg.items() if k != "merge"}
+    kw = {k: v for k, v in cfg.items() if k not in ("merge", "partials")}
     return dict(resolve_config((B, 1, heads, 576), (POOL_PAGES, PAGE, 576),
                                jnp.bfloat16 if dtype == "bf16" else F8, (B, ctx // PAGE), **kw),
-                merge=cfg.get("merge", "pallas"))
+                merge=cfg.get("merge", "pallas"), partials=cfg.get("partials", "float32"))
 
 
 # ---------------------------------------------------------------- lowering check (CPU)
@@ -301,6 +319,10 @@ CHECKS = [   # (B, Tq, H, lengths, dtype, scale kind, cfg, page size)
     (4, 1, 16, [8191, 1, 0, 3000], "fp8", "token", dict(fp8_dot="fp16"), PAGE),
     (2, 4, 16, [2000, 100], "fp8", "tensor", dict(fp8_upcast="tile", fp8_dot="fp16"), PAGE),
     (3, 1, 12, [5000, 129, 63], "fp8", "token", dict(fp8_upcast="operand", fp8_dot="fp16"), PAGE),
+    (4, 1, 16, [8191, 1, 0, 3000], "bf16", None, dict(partials="bfloat16"), PAGE),
+    (2, 1, 128, [5000, 77], "bf16", None, dict(block_k=64, num_stages=2), PAGE),
+    (2, 1, 96, [5000, 77], "bf16", None, dict(block_h=32, block_k=64, num_warps=8,
+                                                num_stages=3), PAGE),
 ]
 for i, (B, Tq, H, lens, dt, sk, cfg, pg) in enumerate([] if SKIP_CHECKS else CHECKS):
     safe(correctness, B, Tq, H, [_short(n) for n in lens], dt, sk, cfg, seed=100 + i, page=pg)
@@ -370,8 +392,8 @@ def time_decode(B, ctx, dtype, name, cfg, heads=HEADS):
 
 def fmt(r):
     c = r["cfg"]
-    cs = (f"bk{c['block_k']} w{c['num_warps']} st{c['num_stages']} sp{c['num_splits']} "
-          f"{c['load']} {c['merge']}-merge"
+    cs = (f"bh{c['block_h']} bk{c['block_k']} w{c['num_warps']} st{c['num_stages']} "
+          f"sp{c['num_splits']} {c['load']} {c['merge']}-merge {c['partials']}"
           + (f" {c['fp8_upcast']} {c['fp8_dot']}" if r["dtype"] == "fp8" else ""))
     ker = (f" (kernel {r['mla_kernel_us']:.1f}, span {r['span_us']:.1f}, wall "
            f"{r['wall_us']:.1f} us)" if "mla_kernel_us" in r else "")
@@ -380,9 +402,12 @@ def fmt(r):
             f"{100 * r['frac_copy']:5.1f}%  [{cs}]{ker}")
 
 
+_SHAPE_CONFIGS = os.environ.get("MLA_BENCH_SHAPE_CONFIGS")   # names for the main loop only
 for B, ctx in SHAPES:
     for dtype in DTYPES:
         for name, cfg in CONFIGS[dtype].items():
+            if _SHAPE_CONFIGS is not None and name not in _SHAPE_CONFIGS.split(","):
+                continue
             if elapsed() > BUDGET_S:
                 RESULTS["skipped"].append(dict(B=B, ctx=ctx, dtype=dtype, name=name))
                 continue
@@ -395,10 +420,15 @@ for B, ctx in SHAPES:
 # Head counts: 12 (one TP8 rank, padded to 16 rows) and 128 (all of K3's heads on one GPU,
 # compute-bound: TFLOP/s in the JSON), default configs.
 # (left out when MLA_BENCH_SHAPES names the shapes)
-for B, ctx, heads in ([] if DRY or os.environ.get("MLA_BENCH_SHAPES") else
-                      [(16, 32768, 12), (16, 32768, 128), (64, 32768, 128), (1, 131072, 128)]):
-    for dtype, name in [(dt, n) for dt in DTYPES for n in ("default", "mixed-bf16")
-                        if n in CONFIGS[dt]]:
+_HEAD_SHAPES = [(16, 32768, 12), (16, 32768, 128), (64, 32768, 128), (1, 131072, 128)]
+if os.environ.get("MLA_BENCH_HEADS") is not None:
+    _HEAD_SHAPES = [tuple(int(v) for v in s.split("x"))
+                    for s in os.environ["MLA_BENCH_HEADS"].split(",") if s]
+elif DRY or os.environ.get("MLA_BENCH_SHAPES"):
+    _HEAD_SHAPES = []
+_HEAD_CONFIGS = os.environ.get("MLA_BENCH_HEAD_CONFIGS", "default,mixed-bf16").split(",")
+for B, ctx, heads in _HEAD_SHAPES:
+    for dtype, name in [(dt, n) for dt in DTYPES for n in _HEAD_CONFIGS if n in CONFIGS[dt]]:
         if elapsed() > BUDGET_S:
             RESULTS["skipped"].append(dict(B=B, ctx=ctx, dtype=dtype, name=name, H=heads))
             continue

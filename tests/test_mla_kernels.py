@@ -205,7 +205,8 @@ def test_default_config_is_the_measured_winner():
     """bf16, 16 rows: the H200 sweep's winner (64-key blocks, 4 warps, 3 stages, page load,
     "waves") with the split counts it ran at (benchmarks/results_mla.md, 2026-11-29); 16-token
     pages: 64-key "token" loads with 2 stages; fp8: the 2026-11-30 winner ("operand" upcast,
-    fp16 dots); fp32 and 32-row blocks keep their configs."""
+    fp16 dots); bf16 64-row blocks (96 / 128 heads): 64-key blocks, 2 stages (2026-11-30); fp32
+    and 32-row blocks keep their configs."""
     from kernels_pallas.mla.decode import default_config, resolve_config
 
     pool = (131072, 64, 576)
@@ -222,6 +223,9 @@ def test_default_config_is_the_measured_winner():
     for dt, rows in ((jnp.float32, 16), (jnp.bfloat16, 32)):
         c = default_config(8, rows, 65536, dt, 64, num_sms=132)
         assert (c["block_k"], c["num_warps"], c["num_stages"]) == (32, 8, 3), (dt, rows)
+    for heads in (96, 128):     # 64-row blocks: the 2026-11-30 H200 winner
+        c = resolve_config((16, 1, heads, 576), pool, jnp.bfloat16, (16, 512), num_sms=132)
+        assert (c["block_h"], c["block_k"], c["num_warps"], c["num_stages"]) == (64, 64, 8, 2)
 
 
 @pytest.mark.parametrize("dtype,kw", [
@@ -324,6 +328,23 @@ def test_decode_pallas_and_xla_merges_agree():
     _check(a[0], a[1], b[0], b[1], atol=1e-5)
     with pytest.raises(ValueError, match="merge"):
         mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", merge="cuda")
+
+
+@pytest.mark.parametrize("Tq", [1, 4])
+def test_decode_bf16_partials(Tq):
+    """partials="bfloat16": the per-split outputs stored in bf16 (half the merge traffic) stay
+    within bf16 rounding of the reference; the Pallas merge reads them as they are."""
+    rng = np.random.default_rng(60 + Tq)
+    lengths = [0, 1, 200, 77, 16]
+    cache, pt, ln = _paged_cache(rng, lengths, 16, 14, jnp.bfloat16)
+    q = _q(rng, len(lengths), Tq, 12)
+    ro, rlse = mla_decode_reference(q, cache, pt, ln, scale=SCALE, out_dtype=jnp.float32)
+    for merge in ("pallas", "xla"):
+        o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", num_splits=5,
+                            block_k=16, out_dtype=jnp.float32, merge=merge, partials="bfloat16")
+        _check(o, lse, ro, rlse, atol=2e-2)
+    with pytest.raises(ValueError, match="partials"):
+        mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", partials="fp16")
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])

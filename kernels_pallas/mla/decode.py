@@ -90,6 +90,7 @@ LOADS = ("page", "token")
 FP8_UPCASTS = ("mixed", "tile", "operand")
 FP8_DOTS = ("bf16", "fp16")
 MERGES = ("pallas", "xla")
+PARTIALS = ("float32", "bfloat16")
 
 # H200 (sm_90) per-SM limits used by the occupancy estimate.
 _SMEM_PER_SM = 228 * 1024
@@ -178,10 +179,16 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     engine's default 16-token pages) the 64-key blocks use the "token" load, whose tile load is
     not pipelined, with 2 stages: the "old+waves" configuration of that sweep (74.0% / 99.7% /
     43.2%).
+    bf16, 64-row blocks (many heads: 96 or 128 heads on one GPU, as under DCP, or Tq * Hq > 32):
+    64-key blocks, 8 warps, 2 stages (wgmma; 221 KiB of shared memory, 255 registers on sm_90):
+    1.44-1.54x faster than 32-key blocks at 2 stages on the H200 (2026-11-30: 128 heads B16 32K
+    594.0 vs 914.4 us, 246 vs 160 TFLOP/s; B1 128K 163.4 vs 236.1 us), and faster than 32-key
+    blocks at 3 stages (765.7 us) and 32-row blocks (839.0 us). Compute-bound there: each step
+    waits for its load, then runs QK^T, the softmax and PV one after the other.
     Not measured, so still chosen from sm_90 compiles (Triton on CPU: shared memory, registers,
     which loads are pipelined): bf16 rows 17-32 and fp32 caches: 32-key blocks, 8 warps, 3 stages
-    (64-key blocks at 3 stages would not fit an fp32 tile pair in 227 KiB); 64-row blocks (many
-    heads): 32-key blocks, 8 warps, 2 stages.
+    (64-key blocks at 3 stages would not fit an fp32 tile pair in 227 KiB); fp8 64-row blocks:
+    32-key blocks, 8 warps, 2 stages.
     fp8: 64-key blocks, 8 warps, 3 stages, "operand" upcast with fp16 dots: the fastest fp8
     configuration of the 2026-11-30 run at every 16-head shape (GPU time; 26.7% / 29.3% / 21.4%
     of copy bandwidth at B16 32K / B64 128K / B1 128K, 1.35-1.48x faster than the "mixed" bf16
@@ -192,7 +199,9 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     block_h = min(max(16, _next_pow2(rows)), 64)
     n_hblk = -(-rows // block_h)
     fp8_upcast, fp8_dot = ("operand", "fp16") if itemsize == 1 else ("mixed", "bf16")
-    if block_h == 64:
+    if block_h == 64 and itemsize == 2:         # measured (see above)
+        block_k, num_warps, num_stages = 64, 8, 2
+    elif block_h == 64:
         block_k, num_warps, num_stages = 32, 8, 2
     elif itemsize == 1:
         block_k, num_warps, num_stages = (64 if block_h == 16 else 32), 8, 3
@@ -337,17 +346,18 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
     acc, m_i, l_i = carry
     has = l_i > 0
     l_safe = jnp.where(has, l_i, 1.0)
-    o_ref[...] = acc * (out_mult / l_safe)[:, None]
+    o_ref[...] = (acc * (out_mult / l_safe)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnames=("num_splits", "block_h", "block_k", "num_warps",
                                              "num_stages", "load", "fp8_upcast", "fp8_dot",
                                              "interpret", "out_dtype", "return_partials",
-                                             "merge"))
+                                             "merge", "partial_dtype"))
 def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num_splits, block_h,
                        block_k, num_warps, num_stages, load, fp8_upcast, interpret, out_dtype,
-                       fp8_dot="bf16", return_partials=False, merge="pallas"):
+                       fp8_dot="bf16", return_partials=False, merge="pallas",
+                       partial_dtype=jnp.float32):
     if merge not in MERGES:
         raise ValueError(f"merge={merge!r} is not one of {MERGES}")
     B, Tq, Hq, _ = q.shape
@@ -422,7 +432,7 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
         pl.BlockSpec((None, None, block_h, LATENT), lambda h, s, b: (b, s, h, 0)),
         pl.BlockSpec((None, None, block_h), lambda h, s, b: (b, s, h)),
     ]
-    out_shape = [jax.ShapeDtypeStruct((B, num_splits, rows_p, LATENT), jnp.float32),
+    out_shape = [jax.ShapeDtypeStruct((B, num_splits, rows_p, LATENT), partial_dtype),
                  jax.ShapeDtypeStruct((B, num_splits, rows_p), jnp.float32)]
     kernel = functools.partial(
         _decode_kernel, block_k=block_k, page_size=page_size, max_pages=max_pages,
@@ -505,7 +515,8 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
                block_h: int | None = None, block_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
                load: str | None = None, fp8_upcast: str | None = None,
-               fp8_dot: str | None = None, merge: str = "pallas"):
+               fp8_dot: str | None = None, merge: str = "pallas",
+               partials: str | None = None):
     """Absorbed MLA decode / multi-token verify over a paged latent cache.
 
     q [B, Tq, Hq, 576] (q_lat 512 | q_rope 64), cache [num_pages, page_size, 576] (bf16, fp32, or
@@ -518,8 +529,12 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
     "waves" / "fill"), block_h, block_k, num_warps, num_stages, load ("page" / "token") and,
     for an fp8 cache, fp8_upcast ("mixed" / "tile" / "operand") and fp8_dot ("bf16" / "fp16":
     the dtype the dots run in); merge: how the splits are combined ("pallas": merge.py, one
-    launch; "xla": reference.merge_stacked). `resolve_config` gives the
-    configuration a call runs with. See the module docstring.
+    launch; "xla": reference.merge_stacked); partials: the dtype of the per-split outputs
+    written by the kernel and read by the merge: "float32", or "bfloat16" (half that traffic,
+    one more bf16 rounding of each normalised partial; the merge weighs and sums in fp32). None:
+    "bfloat16" when out_dtype is a 16-bit type (the result is rounded to 16 bits anyway; H200
+    2026-11-30: B1 128K 45.1 vs 46.2 us, 80.0% vs 78.1% of copy bandwidth), else "float32".
+    `resolve_config` gives the configuration a call runs with. See the module docstring.
     """
     backend = resolve_backend(backend)
     if q.ndim != 4 or q.shape[-1] != CACHE_DIM:
@@ -529,6 +544,10 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
     if jnp.dtype(cache.dtype).itemsize == 1 and cache_scale is None:
         raise ValueError("an fp8 cache needs cache_scale")
     out_dtype = jnp.dtype(out_dtype or q.dtype)
+    if partials is None:
+        partials = "bfloat16" if out_dtype.itemsize == 2 else "float32"
+    if partials not in PARTIALS:
+        raise ValueError(f"partials={partials!r} is not one of {PARTIALS}")
     if backend == "reference":
         return mla_decode_reference(q, cache, page_table, lengths, scale=scale,
                                     cache_scale=cache_scale, out_dtype=out_dtype)
@@ -538,4 +557,4 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
                          fp8_upcast=fp8_upcast, fp8_dot=fp8_dot)
     return _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale,
                               interpret=backend == "interpret", out_dtype=out_dtype,
-                              merge=merge, **cfg)
+                              merge=merge, partial_dtype=jnp.dtype(partials), **cfg)

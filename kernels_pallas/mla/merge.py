@@ -48,7 +48,7 @@ def _merge_kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, n_splits: int, s_pad:
         lc = plgpu.load(lse_ref.at[b, pl.ds(s0, s_chunk), r], mask=ok, other=-jnp.inf)
         w = jnp.where(lc == -jnp.inf, 0.0, jnp.exp(lc - m_safe))
         oc = plgpu.load(o_ref.at[b, pl.ds(s0, s_chunk), r, cols], mask=ok[:, None], other=0.0)
-        return acc + jnp.sum(w[:, None] * oc, axis=0)
+        return acc + jnp.sum(w[:, None] * oc.astype(jnp.float32), axis=0)
 
     acc = lax.fori_loop(0, -(-n_splits // s_chunk), body, jnp.zeros((block_d,), jnp.float32))
     out_ref[b, r, cols] = (acc * inv).astype(out_ref.dtype)
@@ -63,9 +63,9 @@ def _merge_kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, n_splits: int, s_pad:
                                              "s_chunk", "num_warps"))
 def merge_splits_pallas(o_part, lse_part, *, rows: int, out_dtype, interpret: bool = False,
                         block_d: int = 32, s_chunk: int = 128, num_warps: int = 4):
-    """o_part [B, S, R, D] fp32 and lse_part [B, S, R] fp32 (natural log) -> (o [B, rows, D] in
-    out_dtype, lse [B, rows] fp32), merging over S; only the first `rows` of R are merged (the
-    rest is the decode kernel's row padding).
+    """o_part [B, S, R, D] (fp32, or bf16: read as it is, summed in fp32) and lse_part [B, S, R]
+    fp32 (natural log) -> (o [B, rows, D] in out_dtype, lse [B, rows] fp32), merging over S; only
+    the first `rows` of R are merged (the rest is the decode kernel's row padding).
 
     Narrow column blocks and whole split ranges per load (block_d 32, up to 128 splits at once:
     a [128, 32] fp32 tile, 32 registers a thread at 4 warps): at batch 1 the merge is a few
@@ -88,4 +88,4 @@ def merge_splits_pallas(o_part, lse_part, *, rows: int, out_dtype, interpret: bo
                    jax.ShapeDtypeStruct((B, rows), jnp.float32)],
         compiler_params=triton_params(num_warps=num_warps, num_stages=2),
         interpret=interpret, name="mla_merge_splits",
-    )(lse_part.astype(jnp.float32), o_part.astype(jnp.float32))
+    )(lse_part.astype(jnp.float32), o_part)
