@@ -111,19 +111,21 @@ def correctness():
         (1, 4096, 2, 64, BF16, False, False, None),
     ] if not SMOKE else [(2, 100, 1, 32, BF16, True, True, [100, 33])]
     ref = jax.jit(kda_chunk_reference, static_argnames=("use_qk_l2norm",))
+    cfgs = chunk_configs()
     for (B, T, H, K, dt, bounded, safe, lens) in cases:
         q, k, v, g, beta, s0 = make(T + H, B, T, H, K, dt, bounded)
         L = None if lens is None else jnp.array(lens, jnp.int32)
-        o, s = kda_chunk(q, k, v, g, beta, initial_state=s0, lengths=L, use_qk_l2norm=True,
-                         safe_gate=safe, backend=BACKEND)
         # the oracle in fp32 from the same (rounded) inputs
         up = lambda x: x.astype(F32)
         ro, rs = ref(up(q), up(k), up(v), g, up(beta), initial_state=s0, lengths=L,
                      use_qk_l2norm=True)
-        key = f"chunk B{B} T{T} H{H} K{K} {jnp.dtype(dt).name} {'bounded' if bounded else 'softplus'}{' safe' if safe else ''}"
-        RES["checks"][key] = {"o_rel": rel(o, ro), "state_rel": rel(s, rs),
-                              "finite": bool(jnp.isfinite(o.astype(F32)).all())}
-        print(key, RES["checks"][key], flush=True)
+        for ci, cfg in enumerate(cfgs):  # every BENCH_CHUNK_CONFIGS entry (cfg0: the default)
+            o, s = kda_chunk(q, k, v, g, beta, initial_state=s0, lengths=L, use_qk_l2norm=True,
+                             safe_gate=safe, backend=BACKEND, config=cfg)
+            key = f"chunk B{B} T{T} H{H} K{K} {jnp.dtype(dt).name} {'bounded' if bounded else 'softplus'}{' safe' if safe else ''}{f' cfg{ci}' if ci else ''}"
+            RES["checks"][key] = {"o_rel": rel(o, ro), "state_rel": rel(s, rs),
+                                  "finite": bool(jnp.isfinite(o.astype(F32)).all())}
+            print(key, RES["checks"][key], flush=True)
     if "decode" not in CHECKS:
         return
     # decode
@@ -199,12 +201,23 @@ def overrides(item: str) -> dict:
 
 def chunk_configs():
     """BENCH_CHUNK_CONFIGS: ';'-separated ChunkConfig overrides, e.g.
-    "block_k_inter=64,num_warps_inter=8;diag_inverse=product" (the default config always runs
-    first; values that are not integers are passed as strings)."""
+    "block_k_inter=64,num_warps_inter=8;gated_operands=1,block_v_out=128" (the default config
+    always runs first, as cfg0; values that are not integers are passed as strings; bool fields
+    take 0/1 or false/true). Every config is checked against the reference (correctness) and
+    timed (prefill)."""
+    import dataclasses
     from kernels_pallas.kda.chunk_pallas import ChunkConfig
+    bools = {f.name for f in dataclasses.fields(ChunkConfig) if isinstance(f.default, bool)}
+
+    def as_bool(name, v):  # a string "False" would be truthy
+        if str(v).lower() not in ("0", "1", "false", "true"):
+            raise ValueError(f"BENCH_CHUNK_CONFIGS: {name}={v!r} is not 0/1/false/true")
+        return str(v).lower() in ("1", "true")
     cfgs = [ChunkConfig()]
     for item in filter(None, os.environ.get("BENCH_CHUNK_CONFIGS", "").split(";")):
-        cfgs.append(ChunkConfig(**overrides(item)))
+        cfgs.append(ChunkConfig(**{k: as_bool(k, v) if k in bools else v
+                                   for k, v in overrides(item).items()}))
+    RES["chunk_configs"] = [str(c) for c in cfgs]
     return cfgs
 
 
@@ -234,14 +247,15 @@ def prefill(shapes):
             outs["ours", ci] = f(q, k, v, g, beta, s0)
             rec[f"ours_cfg{ci}_ms"] = tjax(f, q, k, v, g, beta, s0, n=20)
             rec[f"ours_cfg{ci}_stages_ms"] = stage_times(q, k, v, g, beta, s0, False, cfg)
-            print(f"  cfg{ci} {rec[f'ours_cfg{ci}_ms']:.3f} ms", rec[f"ours_cfg{ci}_stages_ms"], flush=True)
+            kt = None if SMOKE else kernel_times(f, q, k, v, g, beta, s0, reps=5)
+            rec[f"ours_cfg{ci}_kernel_ms"] = kt and kt["total_us"] / 1e3  # GPU kernels (profiler)
+            rec[f"ours_cfg{ci}_kernels_ms"] = kt and {n_: t / 1e3 for n_, t in kt["by_kernel"].items()}
+            print(f"  cfg{ci} {rec[f'ours_cfg{ci}_ms']:.3f} ms, kernels {rec[f'ours_cfg{ci}_kernel_ms']} ms",
+                  rec[f"ours_cfg{ci}_stages_ms"], rec[f"ours_cfg{ci}_kernels_ms"], flush=True)
         best = min(range(len(cfgs)), key=lambda ci: rec[f"ours_cfg{ci}_ms"])
         rec["ours_ms"], rec["ours_best_cfg"] = rec[f"ours_cfg{best}_ms"], str(cfgs[best])
-        f = jax.jit(lambda q, k, v, g, b, s, cfg=cfgs[best]: kda_chunk(
-            q, k, v, g, b, initial_state=s, use_qk_l2norm=True, backend=BACKEND, config=cfg))
-        kt = None if SMOKE else kernel_times(f, q, k, v, g, beta, s0, reps=5)
-        rec["ours_kernel_ms"] = kt and kt["total_us"] / 1e3     # GPU kernels only (profiler)
-        rec["ours_kernels_ms"] = kt and {n_: t / 1e3 for n_, t in kt["by_kernel"].items()}
+        rec["ours_kernel_ms"] = rec[f"ours_cfg{best}_kernel_ms"]
+        rec["ours_kernels_ms"] = rec[f"ours_cfg{best}_kernels_ms"]
         f = jax.jit(lambda q, k, v, g, b, s, cfg=cfgs[best]: kda_chunk(
             q, k, v, g, b, initial_state=s, use_qk_l2norm=True, safe_gate=True, backend=BACKEND,
             config=cfg))
@@ -273,6 +287,9 @@ def prefill(shapes):
         if rec.get("ours_kernel_ms") and rec.get("fla_kernel_ms"):
             ROWS.append((f"prefill B{B} T{T} H{H} GPU kernel time (profiler)",
                          rec["ours_kernel_ms"], rec["fla_kernel_ms"], "ms"))
+            for ci in range(len(cfgs) if len(cfgs) > 1 else 0):  # configs side by side
+                ROWS.append((f"prefill B{B} T{T} H{H} GPU kernel time, cfg{ci}",
+                             rec[f"ours_cfg{ci}_kernel_ms"], rec["fla_kernel_ms"], "ms"))
         save()
 
 

@@ -1,6 +1,8 @@
 """MoE grouped matmul benchmark: ours (Pallas-Triton moe_gmm, bf16 and MXFP4 with each
-dequantisation variant) vs torch._grouped_mm (and optionally jax.lax.ragged_dot), at K3 shapes, with
-the copy-bandwidth and dense-matmul ceilings measured in the same process. One device call:
+dequantisation variant) vs torch._grouped_mm (and optionally jax.lax.ragged_dot), at K3 shapes (one
+TP8 rank's gate+up slice; with sections layer_gmm / layer the whole layer's matmuls and the full MoE
+layer), with the copy-bandwidth and dense-matmul ceilings measured in the same process. One device
+call:
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_moe_gmm.py  # H200: $OUT/moe_gmm.json
   PYTHONPATH=. python benchmarks/bench_moe_gmm.py --cpu-smoke    # here: tiny shapes, interpret
@@ -11,7 +13,8 @@ the copy-bandwidth and dense-matmul ceilings measured in the same process. One d
                           # MXFP4 sweep (upstream Triton 3.6 for sm_90, as kernel_resources.py;
                           # pip install triton==3.6.0 --target /tmp/tri)
 
-Sections (env BENCH_SECTIONS, comma separated; default "ceil,decode,prefill"):
+Sections (env BENCH_SECTIONS, comma separated; default "ceil,decode,prefill"; --cpu-smoke adds
+layer_gmm,layer):
   ceil     torch copy bandwidth (read + write) and bf16 8192^3 matmul; JAX x*2 and matmul.
   decode   MXFP4 at BENCH_DECODE_TOKENS (default 64,512): the dequant-variant x block-config sweep,
            bf16 at its best known config, torch._grouped_mm on the dequantised bf16 weights. Every
@@ -24,6 +27,30 @@ Sections (env BENCH_SECTIONS, comma separated; default "ceil,decode,prefill"):
   dense    (opt-in) the older correctness grid: bf16 / fp32 / MXFP4 x 3 groupings, fused GLU.
   ragged   (opt-in) jax.lax.ragged_dot as a second peer (its dense expansion takes seconds).
   glu      (opt-in) fused gate/up + SiTU at the TP8 slice.
+  layer_gmm (opt-in) the whole layer's grouped matmuls at BENCH_LAYER_GMM_TOKENS (default
+           64,512,8192), shapes BENCH_LAYER_GMM_SHAPES (default all): gate_up (K 3584, N 6144:
+           w1 | w3 untiled), down (K 3072, N 3584) and one TP8 rank's down slice down_tp8 (K 384,
+           N 3584); MXFP4 and bf16, ours with the config moe_gmm picks itself (default_config,
+           printed per row) vs torch._grouped_mm on the dequantised bf16 weights; gate_up also as
+           the layer runs it, fused on the two halves (moe_gmm_glu, SiTU: rows glu_*, checked
+           against the SiTU of torch's two halves). Times: GPU kernel time from the profiler
+           (benchmarks/kernel_timer.py) for ours (every kernel of the call; moe_gmm's own listed
+           too) and torch.
+  layer    (opt-in) the full MoE layer, kimik3.layers.moe.moe_apply (router, sort / permute,
+           fused gate/up + down grouped matmuls, weighted combine, latent down/up-projection +
+           RMSNorm, 2 shared experts) at K3 dims (hidden 7168) under jax.jit at BENCH_LAYER_TOKENS
+           (default 64,512,8192), MXFP4 experts then their exact bf16 dequantisation
+           (BENCH_LAYER_FORMATS, default mxfp4,bf16): GPU kernel sum, kernel span, wall clock,
+           the moe_gmm kernels' share. Each case is first checked on 4 of its tokens against
+           `layer_reference` (per token: its 16 experts gathered and dequantised, fp32 products;
+           no sort, no Pallas) and against the other format's output.
+  The whole set, with the ceilings and the TP8 fused gate/up, in one device call (about 180-240 s
+  with compiles, estimated: ~24 kernel compiles + 33 profiler traces in layer_gmm, 6 layer
+  compiles; peak JAX memory ~75 GB, the layer's bf16 experts (59 GB) with their MXFP4 source
+  (16 GB); cases that would start after BENCH_BUDGET_S are skipped and listed):
+    BENCH_SECTIONS=ceil,glu,layer_gmm,layer BENCH_BUDGET_S=220 PYTHONUNBUFFERED=1 \
+      PYTHONPATH=. python3 benchmarks/bench_moe_gmm.py      # $OUT/moe_gmm.json, moe_gmm_log.txt
+  --cpu-smoke runs layer_gmm and layer too (tiny shapes: 8 experts top-2, "tiny" config in bf16).
 BENCH_VARIANTS: only these dequant variants in decode (default: all in the sweep). The two PTX
 variants side by side (64 and 512 tokens, every MXFP4 row also checked bit-exact), one device call:
   BENCH_SECTIONS=ceil,decode BENCH_VARIANTS=split_asm_sub,split_asm_t PYTHONUNBUFFERED=1 \
@@ -38,12 +65,16 @@ picks 16 distinct experts uniformly). The bf16 weights are the exact dequantisat
 so every variant computes the same product. Counted: FLOP = 2 * rows * K * N; weight bytes = bytes of
 the experts that received rows (bf16: 2 B/elem; MXFP4 packed: 0.5 + 1/32 B/elem), since an empty
 expert's weights need not be read; % of copy = (weight bytes / time) / (copy bytes read + written /
-copy time).
+copy time); % of mm = TFLOP/s / torch's bf16 8192^3 matmul (sections layer_gmm, layer). Section
+layer: FLOP = 2 * tokens * (router D*E + latent down and up 2*D*L + shared experts 3*D*S + 16
+experts x 3*L*I), weight bytes = those dense weights (bf16) + the experts that received tokens;
+no TP: the whole layer on one device.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
@@ -52,6 +83,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # kernel_timer
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -60,6 +92,7 @@ from kernels_pallas.moe import mxfp4  # noqa: E402
 from kernels_pallas.moe.gmm import (DEQUANT_VARIANTS, GmmConfig, default_config,  # noqa: E402
                                     moe_gmm, moe_gmm_glu)
 from kernels_pallas.moe.reference import MXFP4Weight  # noqa: E402
+from kernels_pallas.moe.reference import glu as moe_glu_ref  # noqa: E402
 
 # MXFP4 decode sweep. The first is the best config of the 2026-11-29 run (first dequantisation); the
 # comments give SASS instructions per dequantised weight in the K loop (upstream Triton 3.6 for sm_90,
@@ -120,9 +153,11 @@ def sweep_cases(G=896, K=3584, N=768, topk=16):
 
 
 def lower_check(lower_cuda, log=print):
-    """Lower every swept kernel for CUDA (no GPU needed); returns the names that failed."""
+    """Lower every swept kernel, and the whole-layer kernels with their CUDA default configs, for
+    CUDA (no GPU needed); returns the names that failed."""
     bad = []
-    for name, fn, args in sweep_cases():
+    cases = sweep_cases() + layer_cases()
+    for name, fn, args in cases:
         t = time.perf_counter()
         try:
             lower_cuda(fn, *args)
@@ -130,7 +165,7 @@ def lower_check(lower_cuda, log=print):
         except Exception as ex:  # noqa: BLE001
             bad.append(name)
             log(f"FAILED   {name}: {repr(ex)[:300]}")
-    log(f"{len(sweep_cases()) - len(bad)}/{len(sweep_cases())} swept kernels lower to Triton IR")
+    log(f"{len(cases) - len(bad)}/{len(cases)} swept and whole-layer kernels lower to Triton IR")
     return bad
 
 
@@ -483,10 +518,440 @@ def time_ours(x, w, gs, cfg, backend, cpu, flop, wbytes, copy, y_peer, exact=Non
     return ent
 
 
+# ---- sections layer_gmm and layer: the whole layer's grouped matmuls, the full MoE layer ----
+# (K, N) as moe_gmm sees them. "gate_up": w1 | w3 of the whole layer as one N = 2 x 3072 matmul (the
+# layer itself runs the two halves fused, moe_gmm_glu: the "glu" rows); "down": w2; "down_tp8": one
+# TP8 rank's slice of w2 (K = 3072 / 8). The TP8 gate+up slice (N = 768) is sections decode/prefill.
+LAYER_GMM_SHAPES = {"gate_up": (3584, 6144), "down": (3072, 3584), "down_tp8": (384, 3584)}
+SMOKE_LAYER_GMM_SHAPES = {"gate_up": (128, 256), "down": (128, 128), "down_tp8": (32, 128)}
+GLU_ACT = "situ"  # K3's activation
+
+
+def layer_cases(G=896, topk=16, tokens=(64, 512, 8192)):
+    """(name, fn, args) of the kernels sections layer_gmm and layer run, with the config
+    `default_config` picks on CUDA (what moe_gmm uses on the H200), as abstract shapes."""
+    sd = jax.ShapeDtypeStruct
+    out = []
+    for sname, (K, N) in LAYER_GMM_SHAPES.items():
+        for t in tokens:
+            x = sd((t * topk, K), jnp.bfloat16)
+            gs = sd((G,), jnp.int32)
+            for quant in (True, False):
+                w = (MXFP4Weight(sd((G, N, K // 2), jnp.uint8), sd((G, N, K // 32), jnp.uint8))
+                     if quant else sd((G, K, N), jnp.bfloat16))
+                cfg = default_config(t * topk, G, K, N, quant, platform="cuda")
+                kind = "mxfp4" if quant else "bf16"
+                out.append((f"{sname} {kind} tokens {t} {cfg.name()}",
+                            lambda a, b, c, cfg=cfg: moe_gmm(a, b, c, backend="pallas", config=cfg),
+                            (x, w, gs)))
+                if sname != "gate_up":
+                    continue
+                h = N // 2  # the layer's fused gate/up on the two halves
+                w = (MXFP4Weight(sd((G, h, K // 2), jnp.uint8), sd((G, h, K // 32), jnp.uint8))
+                     if quant else sd((G, K, h), jnp.bfloat16))
+                cfg = default_config(t * topk, G, K, h, quant, True, platform="cuda")
+                out.append((f"gate_up glu {kind} tokens {t} {cfg.name()}",
+                            lambda a, b, c, d, cfg=cfg: moe_gmm_glu(
+                                a, b, c, d, activation=GLU_ACT, backend="pallas", config=cfg),
+                            (x, w, w, gs)))
+    return out
+
+
+def _chunk(g, want=32):
+    """Experts per step of the chunked weight builders (a divisor of g)."""
+    return math.gcd(g, want)
+
+
+def rand_mxfp4_device(key, g, n, k, lo=117, hi=122):
+    """Random MXFP4 weights [g, n, k/2] + [g, n, k/32] made on the device a chunk of experts at a
+    time (no temporaries of the whole size): packed bytes uniform, scale bytes in [lo, hi)."""
+    c = _chunk(g)
+
+    def one(i):
+        k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+        return (jax.random.bits(k1, (c, n, k // 2), jnp.uint8),
+                jax.random.randint(k2, (c, n, k // 32), lo, hi, jnp.int32).astype(jnp.uint8))
+
+    def f():
+        p, s = jax.lax.map(one, jnp.arange(g // c))
+        return p.reshape(g, n, k // 2), s.reshape(g, n, k // 32)
+    return MXFP4Weight(*jax.block_until_ready(jax.jit(f)()))
+
+
+def dequant_device(w, layout):
+    """The exact bf16 dequantisation of MXFP4Weight `w`, a chunk of experts at a time: layout "nk"
+    [G, N, K] (the checkpoint's [out, in]: torch's operand, transposed as a view) or "kn" [G, K, N]
+    (moe_gmm's dense operand)."""
+    g, n, half = w.packed.shape
+    c = _chunk(g)
+
+    def one(ps):
+        d = mxfp4.dequantize(ps[0], ps[1], jnp.bfloat16)
+        return d if layout == "nk" else jnp.swapaxes(d, 1, 2)
+
+    def f(p, s):
+        out = jax.lax.map(one, (p.reshape(g // c, c, n, half), s.reshape(g // c, c, n, -1)))
+        return out.reshape(g, *out.shape[2:])
+    return jax.block_until_ready(jax.jit(f)(w.packed, w.scales))
+
+
+def gpu_time(fn, *args, cpu, reps=10, sync=jax.block_until_ready):
+    """(ms, info): ms = the per-call sum of GPU kernel durations (benchmarks/kernel_timer.py: the
+    profiler's device plane, all kernels of the call: ours includes tile_metadata and the x split);
+    info: span (first kernel start to last end), the moe_gmm kernels' share, the longest kernels.
+    Where the trace has no GPU plane (--cpu-smoke) ms is wall-clock time."""
+    from kernel_timer import kernel_times
+    kt = kernel_times(fn, *args, reps=2 if cpu else reps, sync=sync)
+    if kt is None:  # wall clock: median over `reps` of the mean of n back-to-back calls
+        n, out = (2, []) if cpu else (10, [])
+        for _ in range(2 if cpu else 5):
+            t = time.perf_counter()
+            for _ in range(n):
+                r = fn(*args)
+            sync(r)
+            out.append((time.perf_counter() - t) / n * 1e3)
+        return float(np.median(out)), {"timer": "wall"}
+    gmm = sum(v for name, v in kt["by_kernel"].items() if "moe_gmm" in name)
+    top = sorted(kt["by_kernel"].items(), key=lambda kv: -kv[1])[:8]
+    return kt["total_us"] / 1e3, {"timer": "gpu kernels", "span_ms": kt["span_us"] / 1e3,
+                                  "gmm_kernel_ms": gmm / 1e3, "kernels_per_call": kt["n_events"],
+                                  "top_kernels_us": {k[:90]: round(v, 1) for k, v in top}}
+
+
+def _rates(ent, ms, flop, wbytes, ceil):
+    copy, mm = ceil.get("copy_TBps", float("nan")), ceil.get("mm_TFLOPs", float("nan"))
+    ent.update(TFLOPs=flop / ms / 1e9, weight_TBps=wbytes / ms / 1e9)
+    ent["pct_mm"] = 100 * ent["TFLOPs"] / mm if mm == mm else None
+    ent["pct_copy"] = 100 * ent["weight_TBps"] / copy if copy == copy else None
+    return ent
+
+
+def torch_gmm(x, w_nk, gs, cpu):
+    """torch._grouped_mm on the same device buffers (dlpack, no copy): x [M, K], w_nk [G, N, K]
+    as a transposed view; returns (kernel ms, info, output as a JAX array)."""
+    import torch
+    xt = torch.from_dlpack(x)
+    wt = torch.from_dlpack(w_nk).transpose(-2, -1)
+    offs = torch.from_dlpack(jax.block_until_ready(jnp.cumsum(gs).astype(jnp.int32)))
+    f = lambda: torch._grouped_mm(xt, wt, offs=offs)  # noqa: E731
+    ms, info = gpu_time(f, cpu=cpu, sync=lambda r: torch.cuda.synchronize())
+    y = f()
+    torch.cuda.synchronize()
+    try:
+        yj = jnp.from_dlpack(y)
+    except Exception:  # noqa: BLE001
+        yj = jnp.asarray(y.float().cpu().numpy(), jnp.bfloat16)
+    return ms, info, yj
+
+
+def ours_case(fn, args, y_ref, flop, wbytes, ceil, cfg_name, cpu, tol=1e-2):
+    """jit(fn)(*args): first call, relative error vs y_ref (before any timing), then GPU time."""
+    try:
+        f = jax.jit(fn)
+        t = time.perf_counter()
+        y = jax.block_until_ready(f(*args))
+        first = time.perf_counter() - t
+        err = rel(y, y_ref) if y_ref is not None else float("nan")
+        del y
+        ms, info = gpu_time(f, *args, cpu=cpu)
+        ent = _rates({"ms": ms, **info}, ms, flop, wbytes, ceil)
+        ent.update(rel_vs_peer=err, ok=bool(err < tol) if err == err else None,
+                   first_call_s=first, config=cfg_name)
+    except Exception as ex:  # noqa: BLE001
+        ent = {"error": repr(ex)[:600], "config": cfg_name}
+    return ent
+
+
+def layer_gmm_section(run, ctx, token_list, shapes, table):
+    """Whole-layer (and TP8 down-slice) grouped matmuls, bf16 and MXFP4, ours (moe_gmm with its
+    default config) vs torch._grouped_mm on the dequantised weights, same inputs. Per shape the
+    weights are made on the device, and at most the MXFP4 set plus one bf16 copy live at once:
+    torch's [G, N, K] copy first (its outputs kept as the peer), then ours MXFP4, then moe_gmm's
+    [G, K, N] bf16 copy (gate_up: then the two halves for the fused gate/up)."""
+    G, TOPK, cpu, backend, ceil = ctx["G"], ctx["TOPK"], ctx["cpu"], ctx["backend"], ctx["ceil"]
+    plat = "interpret" if backend == "interpret" else None
+    res = run.res.setdefault("layer_gmm", {})
+    rng = np.random.default_rng(5)
+    routings = {t: routing(rng, t, G, TOPK) for t in token_list}  # one per token count, all shapes
+    for si, (sname, (K, N)) in enumerate(shapes.items()):
+        if not run.start(f"layer_gmm {sname} weights"):
+            continue
+        fused = sname == "gate_up"
+        key = jax.random.key(100 + si)
+        halves = None
+        if fused:  # w1 | w3, generated as the halves the fused kernel takes
+            halves = [rand_mxfp4_device(jax.random.fold_in(key, h), G, N // 2, K) for h in (0, 1)]
+            cat = jax.jit(lambda a, b: jnp.concatenate([a, b], axis=1))
+            wq = MXFP4Weight(cat(halves[0].packed, halves[1].packed),
+                             cat(halves[0].scales, halves[1].scales))
+        else:
+            wq = rand_mxfp4_device(key, G, N, K)
+        cases, peers = {}, {}
+        for t in token_list:
+            gs_np = routings[t]
+            m, nonempty = t * TOPK, int((gs_np > 0).sum())
+            cases[t] = {"x": jax.random.normal(jax.random.key(1000 * si + t), (m, K), jnp.bfloat16),
+                        "gs": jnp.asarray(gs_np),
+                        "ent": {"K": K, "N": N, "rows": m, "nonempty_experts": nonempty,
+                                "max_rows_per_expert": int(gs_np.max()), "flop": 2 * m * K * N},
+                        "wbytes": {"bf16": nonempty * K * N * 2,
+                                   "mxfp4": nonempty * (K * N // 2 + K * N // 32)}}
+            res.setdefault(sname, {})[str(t)] = cases[t]["ent"]
+        run.log(f"layer_gmm {sname}: K {K} N {N}, MXFP4 weights on the device")
+        run.done()
+
+        # 1. the peer: torch on the dequantised [G, N, K] weights (the reference on CPU)
+        w_nk = dequant_device(wq, "nk")
+        for t, c in cases.items():
+            if not run.start(f"layer_gmm {sname} {t} torch"):
+                continue
+            try:
+                if ctx["has_torch"]:
+                    ms, info, peers[t] = torch_gmm(c["x"], w_nk, c["gs"], cpu)
+                    c["ent"]["torch_grouped_mm"] = _rates({"ms": ms, **info}, ms,
+                                                          c["ent"]["flop"], c["wbytes"]["bf16"],
+                                                          ceil)
+                elif cpu:
+                    peers[t] = jax.jit(lambda a, b, g: moe_gmm(a, jnp.swapaxes(b, 1, 2), g,
+                                                               backend="reference"))(
+                        c["x"], w_nk, c["gs"])
+                    c["ent"]["torch_grouped_mm"] = {"note": "no torch: reference as the peer"}
+            except Exception as ex:  # noqa: BLE001
+                c["ent"]["torch_grouped_mm"] = {"error": repr(ex)[:400]}
+            run.log(f"layer_gmm {sname} tokens {t} torch._grouped_mm: "
+                    + json.dumps(c["ent"].get("torch_grouped_mm"))[:300])
+            run.done()
+        del w_nk
+
+        def ours(t, kind, fn, args, cfg, y_ref, tol=1e-2):
+            c = cases[t]
+            label = f"layer_gmm {sname} {t} ours_{kind}"
+            if not run.start(label):
+                return
+            wb = c["wbytes"]["mxfp4" if "mxfp4" in kind else "bf16"]
+            ent = ours_case(fn, args, y_ref, c["ent"]["flop"], wb, ceil, cfg.name(), cpu, tol)
+            c["ent"][f"ours_{kind}"] = ent
+            run.log(f"{label} [{cfg.name()}]: " + json.dumps(ent)[:400])
+            run.done()
+            if "ms" in ent:
+                table.append((sname, K, N, t, kind, ent,
+                              c["ent"].get("torch_grouped_mm", {}).get("ms")))
+
+        def glu_ref(t):
+            y = peers.get(t)
+            return None if y is None else moe_glu_ref(y[:, : N // 2], y[:, N // 2:], GLU_ACT)
+
+        # 2. ours, MXFP4 (plain; gate_up: also fused on the halves)
+        for t, c in cases.items():
+            m = t * TOPK
+            ours(t, "mxfp4", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
+                 (c["x"], wq, c["gs"]), default_config(m, G, K, N, True, platform=plat),
+                 peers.get(t))
+            if fused:
+                ours(t, "glu_mxfp4", lambda a, b1, b3, g: moe_gmm_glu(
+                    a, b1, b3, g, activation=GLU_ACT, backend=backend),
+                    (c["x"], halves[0], halves[1], c["gs"]),
+                    default_config(m, G, K, N // 2, True, True, platform=plat), glu_ref(t), 2e-2)
+        # 3. ours, bf16 [G, K, N] (gate_up: then the halves, fused)
+        if run.elapsed() <= run.budget:
+            w_kn = dequant_device(wq, "kn")
+            del wq
+            for t, c in cases.items():
+                ours(t, "bf16", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
+                     (c["x"], w_kn, c["gs"]),
+                     default_config(t * TOPK, G, K, N, False, platform=plat), peers.get(t))
+            del w_kn
+        if fused and run.elapsed() <= run.budget:
+            h_kn = [dequant_device(h, "kn") for h in halves]
+            for t, c in cases.items():
+                ours(t, "glu_bf16", lambda a, b1, b3, g: moe_gmm_glu(
+                    a, b1, b3, g, activation=GLU_ACT, backend=backend),
+                    (c["x"], h_kn[0], h_kn[1], c["gs"]),
+                    default_config(t * TOPK, G, K, N // 2, False, True, platform=plat),
+                    glu_ref(t), 2e-2)
+            del h_kn
+        wq = halves = w_kn = h_kn = None  # noqa: F841  (free the weights before the next shape)
+        cases.clear()
+        peers.clear()
+        run.save()
+
+
+def smoke_layer_config():
+    """K3's layer structure at tiny dims (bf16 like K3): latent MoE, MXFP4 experts, SiTU, norm."""
+    from kimik3.config import Config
+    return Config.preset("tiny").replace(dtype="bfloat16", param_dtype="bfloat16",
+                                         router_dtype="bfloat16")
+
+
+def layer_params(cfg, key):
+    """moe_apply's parameter dict at cfg's dims, made on the device; routed experts as MXFP4
+    (packed bytes uniform, scale bytes 119..121 as the module's init), the rest normal(0.02)."""
+    D, E, I, L = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                  cfg.expert_in_dim)
+    S = I * cfg.num_shared_experts
+    pdt = cfg.jnp_param_dtype
+    keys = iter(jax.random.split(key, 16))
+    nrm = jax.jit(lambda k, shape, std, dt: (jax.random.normal(k, shape, jnp.float32) * std
+                                               ).astype(dt), static_argnums=(1, 2, 3))
+    p = {"gate": nrm(next(keys), (D, E), 0.02, jnp.dtype(cfg.router_dtype)),
+         "e_score_correction_bias": nrm(next(keys), (E,), 0.01, jnp.float32),
+         "routed_expert_down_proj": {"kernel": nrm(next(keys), (D, L), 0.02, pdt)},
+         "experts": {}}
+    for name, (din, dout) in {"w1": (L, I), "w3": (L, I), "w2": (I, L)}.items():
+        w = rand_mxfp4_device(next(keys), E, dout, din, 119, 122)
+        p["experts"][f"{name}_packed"], p["experts"][f"{name}_scale"] = w.packed, w.scales
+    if cfg.latent_moe_use_norm:
+        p["routed_expert_norm"] = {"weight": jnp.ones((L,), pdt)}
+    p["routed_expert_up_proj"] = {"kernel": nrm(next(keys), (L, D), 0.02, pdt)}
+    if cfg.num_shared_experts:
+        p["shared_experts"] = {n: {"kernel": nrm(next(keys), s, 0.02, pdt)} for n, s in
+                               (("gate_proj", (D, S)), ("up_proj", (D, S)), ("down_proj", (S, D)))}
+    return p
+
+
+def layer_reference(cfg, p, x, sel):
+    """moe_apply's math for the tokens `sel` of x, written per token: each token's k experts
+    gathered (and dequantised), fp32 products; no sort, no grouped matmul, no Pallas."""
+    from kimik3.layers.common import glu, rms_normalize
+    from kimik3.layers.moe import mlp_apply, route
+    dt, f32, hi = cfg.jnp_dtype, jnp.float32, jax.lax.Precision.HIGHEST
+    logits = jnp.dot(x.astype(f32), p["gate"].astype(f32), precision=hi)
+    idx, wts = route(logits, p["e_score_correction_bias"], cfg)
+    sel = jnp.asarray(sel)
+    xs, idx, wts = x[sel], idx[sel], wts[sel]
+    u = xs.astype(dt) @ p["routed_expert_down_proj"]["kernel"].astype(dt)
+    ex = p["experts"]
+
+    def expert_w(name, ids):  # [k, in, out] fp32
+        if name in ex:
+            return ex[name][ids].astype(f32)
+        return jnp.swapaxes(mxfp4.dequantize(ex[f"{name}_packed"][ids], ex[f"{name}_scale"][ids],
+                                             f32), -1, -2)
+
+    def one(args):
+        ui, ids, wi = args
+        a = jnp.einsum("i,kio->ko", ui.astype(f32), expert_w("w1", ids), precision=hi)
+        b = jnp.einsum("i,kio->ko", ui.astype(f32), expert_w("w3", ids), precision=hi)
+        h = glu(cfg, a, b).astype(dt).astype(f32)
+        y = jnp.einsum("ki,kio->ko", h, expert_w("w2", ids), precision=hi)
+        return jnp.einsum("k,ko->o", wi, y, precision=hi)
+
+    latent = jax.lax.map(one, (u, idx, wts)).astype(dt)
+    if cfg.latent_moe_use_norm:
+        latent = p["routed_expert_norm"]["weight"].astype(dt) * rms_normalize(latent,
+                                                                              cfg.rms_norm_eps)
+    up = latent @ p["routed_expert_up_proj"]["kernel"].astype(dt)
+    if cfg.num_shared_experts:
+        return mlp_apply(cfg, p["shared_experts"], xs) + up
+    return up
+
+
+def layer_counts(cfg, tokens, experts_hit, fmt):
+    """(FLOP, weight bytes read) of one moe_apply call: router, latent down, the experts' three
+    matmuls per (token, expert), latent up, shared experts; bytes: dense weights + hit experts."""
+    D, E, k, I, L = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token,
+                     cfg.moe_intermediate_size, cfg.expert_in_dim)
+    S = I * cfg.num_shared_experts
+    dense_elems = D * E + 2 * D * L + 3 * D * S
+    flop = 2 * tokens * (dense_elems + k * 3 * L * I)
+    per_expert = 3 * L * I * (2 if fmt == "bf16" else (0.5 + 1 / 32))
+    return flop, dense_elems * 2 + experts_hit * per_expert
+
+
+def layer_section(run, ctx, token_list, formats, table):
+    """The full MoE layer (kimik3.layers.moe.moe_apply: router, sort, fused gate/up + down grouped
+    matmuls, combine, latent down/up + norm, shared experts) at K3 dims on one device, under
+    jax.jit, MXFP4 experts then their exact bf16 dequantisation (dense experts). Each case is first
+    checked against `layer_reference` on a few of its tokens, then timed: the GPU kernels' sum,
+    their span, the wall clock; the moe_gmm kernels' share."""
+    from kimik3.config import Config
+    from kimik3.layers.moe import MoE, moe_apply, route
+    cpu, backend, ceil = ctx["cpu"], ctx["backend"], ctx["ceil"]
+    plat = "interpret" if backend == "interpret" else None
+    cfg = smoke_layer_config() if cpu else Config.preset("kimi-k3")
+    res = run.res.setdefault("layer", {})
+    if not run.start("layer weights"):
+        return
+    D, E, k, I, L = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token,
+                     cfg.moe_intermediate_size, cfg.expert_in_dim)
+    p = layer_params(cfg, jax.random.key(3))
+    # the parameter tree must be the module's (names, shapes, dtypes): checked abstractly
+    want = jax.eval_shape(lambda: MoE(cfg).init(
+        jax.random.key(0), jnp.zeros((1, 2, D), cfg.jnp_dtype), backend="reference"))["params"]
+    sig = lambda t: jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), t)  # noqa: E731
+    if sig(want) != sig(p):
+        run.res["layer"]["error"] = f"parameter tree differs from MoE's: {sig(want)} vs {sig(p)}"
+        run.log(run.res["layer"]["error"][:600])
+        run.done()
+        return
+    res.update(dims={"hidden": D, "experts": E, "topk": k, "expert_intermediate": I, "latent": L,
+                     "shared_intermediate": I * cfg.num_shared_experts})
+    run.log(f"layer: weights on the device (hidden {D}, {E} experts top-{k}, latent {L}, "
+            f"intermediate {I}, shared {I * cfg.num_shared_experts})")
+    run.done()
+    hit_fn = jax.jit(lambda x, g, b: jnp.sum(jnp.bincount(route(  # experts that get tokens
+        jnp.dot(x.astype(jnp.float32), g.astype(jnp.float32), precision="highest"), b,
+        cfg)[0].reshape(-1),
+        length=E) > 0))
+    outs = {}
+    for fmt in formats:
+        if fmt == "bf16":
+            if run.elapsed() > run.budget:
+                run.res["skipped"].append("layer bf16 weights")
+                break
+            ex = p["experts"]
+            dense = {}
+            for n in ("w1", "w3", "w2"):  # [E, in, out], exactly the MXFP4 values
+                dense[n] = dequant_device(MXFP4Weight(ex[f"{n}_packed"], ex[f"{n}_scale"]), "kn")
+                del ex[f"{n}_packed"], ex[f"{n}_scale"]
+            p["experts"] = dense
+            del ex, dense
+        cfg_f = cfg.replace(expert_format="dense" if fmt == "bf16" else "mxfp4")
+        f = jax.jit(lambda p_, x_, c=cfg_f: moe_apply(c, p_, x_, backend))
+        for t in token_list:
+            label = f"layer {fmt} {t}"
+            if not run.start(label):
+                continue
+            m = t * k
+            cfgs = {"gate_up_glu": default_config(m, E, L, I, fmt == "mxfp4", True,
+                                                  platform=plat).name(),
+                    "down": default_config(m, E, I, L, fmt == "mxfp4", platform=plat).name()}
+            try:
+                x = jax.random.normal(jax.random.key(50 + t), (t, D), cfg.jnp_dtype)
+                tt = time.perf_counter()
+                y = jax.block_until_ready(f(p, x))
+                first = time.perf_counter() - tt
+                sel = tuple(int(i) for i in np.unique(np.linspace(0, t - 1, min(4, t)).astype(int)))
+                yr = jax.jit(lambda p_, x_, c=cfg_f, s=sel: layer_reference(c, p_, x_, s))(p, x)
+                err = rel(y[np.asarray(sel)], yr)
+                other = {o: rel(y, yo) for o, yo in outs.get(t, {}).items()}
+                ms, info = gpu_time(f, p, x, cpu=cpu, reps=5)
+                wall_ms = wall(lambda: f(p, x), n=2 if cpu else 5, reps=2 if cpu else 3)
+                hit = int(hit_fn(x, p["gate"], p["e_score_correction_bias"]))
+                flop, wb = layer_counts(cfg_f, t, hit, fmt)
+                ent = _rates({"ms": ms, **info, "wall_ms": wall_ms}, ms, flop, wb, ceil)
+                ent.update(rel_vs_reference=err, reference_tokens=list(sel),
+                           rel_vs_other_format=other, ok=bool(err < 2e-2), first_call_s=first,
+                           gmm_configs=cfgs, flop=flop, weight_bytes=wb, experts_hit=hit)
+                if ent.get("gmm_kernel_ms") is not None:
+                    ent["gmm_share_pct"] = 100 * ent["gmm_kernel_ms"] / ms
+                outs.setdefault(t, {})[fmt] = y
+                del y, yr
+            except Exception as ex:  # noqa: BLE001
+                ent = {"error": repr(ex)[:600], "gmm_configs": cfgs}
+            res.setdefault(fmt, {})[str(t)] = ent
+            run.log(f"{label} [{cfgs}]: " + json.dumps(ent)[:500])
+            run.done()
+            if "ms" in ent:
+                table.append((fmt, t, ent))
+    p = outs = None  # noqa: F841
+
+
 def run_bench(args):
     cpu = args.cpu_smoke
     backend = "interpret" if cpu else "pallas"
-    sections = set(os.environ.get("BENCH_SECTIONS", "ceil,decode,prefill").split(","))
+    sections = set(os.environ.get(
+        "BENCH_SECTIONS", "ceil,decode,prefill" + (",layer_gmm,layer" if cpu else "")).split(","))
     variants = os.environ.get("BENCH_VARIANTS")
     variants = variants.split(",") if variants else list(DEQUANT_VARIANTS)
     dec_tokens = [int(t) for t in os.environ.get(
@@ -627,11 +1092,29 @@ def run_bench(args):
             run.log(f"glu situ mxfp4 tokens {tokens}: {json.dumps(run.res['glu'][str(tokens)])}")
             run.done()
 
-    # summary table
+    # the whole layer: free the TP8 slice's weights first
+    wq = w_nk = w_kn = w1 = w3 = None  # noqa: F841
+    ctx = {"G": G, "TOPK": TOPK, "cpu": cpu, "backend": backend, "ceil": ceil,
+           "has_torch": has_torch}
+    lg_table, layer_table = [], []
+    if "layer_gmm" in sections:
+        names = os.environ.get("BENCH_LAYER_GMM_SHAPES")
+        shapes = SMOKE_LAYER_GMM_SHAPES if cpu else LAYER_GMM_SHAPES
+        shapes = {n: shapes[n] for n in (names.split(",") if names else shapes)}
+        layer_gmm_section(run, ctx, [int(t) for t in os.environ.get(
+            "BENCH_LAYER_GMM_TOKENS", "4,128,384" if cpu else "64,512,8192").split(",") if t],
+            shapes, lg_table)
+    if "layer" in sections:
+        layer_section(run, ctx, [int(t) for t in os.environ.get(
+            "BENCH_LAYER_TOKENS", "8,64" if cpu else "64,512,8192").split(",") if t],
+            os.environ.get("BENCH_LAYER_FORMATS", "mxfp4,bf16").split(","), layer_table)
+
+    # summary tables
     rows = []
     hdr = ("weights tokens variant | config | ms | TFLOP/s | weight TB/s | % copy | torch ms | "
            "torch/ours | rel vs torch | exact")
-    run.log(hdr)
+    if table:
+        run.log(hdr)
     for wname, tokens, variant, cname, e, tt in table:
         pct = "-" if e.get("pct_copy") is None else "%.0f%%" % e["pct_copy"]
         peer = "- | -" if tt is None else "%.3f | %.2fx" % (tt, tt / e["ms"])
@@ -642,6 +1125,44 @@ def run_bench(args):
         rows.append(line)
         run.log(line)
     run.res["table"] = rows
+
+    def pct(v):
+        return "-" if v is None else "%.0f%%" % v
+    if lg_table:
+        rows = []
+        run.log("layer_gmm: shape (K x N) | weights | tokens | default config | ms (all kernels) | "
+                "moe_gmm kernel ms | TFLOP/s (% of mm) | weight TB/s (% of copy) | torch ms | "
+                "torch/ours | rel vs torch")
+        for sname, K, N, t, kind, e, tt in lg_table:
+            peer = "- | -" if tt is None else "%.3f | %.2fx" % (tt, tt / e["ms"])
+            gk = e.get("gmm_kernel_ms")
+            line = (f"{sname} ({K} x {N}) | {kind} | {t} | {e['config']} | {e['ms']:.3f} | "
+                    + ("-" if gk is None else f"{gk:.3f}")
+                    + f" | {e['TFLOPs']:.0f} ({pct(e['pct_mm'])}) | {e['weight_TBps']:.2f} "
+                    f"({pct(e['pct_copy'])}) | {peer} | {e['rel_vs_peer']:.1e}"
+                    + ("" if e.get("ok") is not False else " FAIL"))
+            rows.append(line)
+            run.log(line)
+        run.res["table_layer_gmm"] = rows
+    if layer_table:
+        rows = []
+        run.log("layer: experts | tokens | ms (all kernels) | span ms | wall ms | moe_gmm ms "
+                "(share) | TFLOP/s (% of mm) | weight TB/s (% of copy) | rel vs reference | "
+                "rel vs other format")
+        for fmt, t, e in layer_table:
+            gk = e.get("gmm_kernel_ms")
+            line = (f"{fmt} | {t} | {e['ms']:.3f} | "
+                    + ("-" if e.get("span_ms") is None else f"{e['span_ms']:.3f}")
+                    + f" | {e['wall_ms']:.3f} | "
+                    + ("-" if gk is None else f"{gk:.3f} ({e['gmm_share_pct']:.0f}%)")
+                    + f" | {e['TFLOPs']:.0f} ({pct(e['pct_mm'])}) | {e['weight_TBps']:.2f} "
+                    f"({pct(e['pct_copy'])}) | {e['rel_vs_reference']:.1e}"
+                    + ("" if e.get("ok") else " FAIL") + " | "
+                    + (", ".join(f"{o} {v:.1e}" for o, v in e["rel_vs_other_format"].items())
+                       or "-"))
+            rows.append(line)
+            run.log(line)
+        run.res["table_layer"] = rows
     if run.res["skipped"]:
         run.log(f"skipped (budget {run.budget:.0f} s): {run.res['skipped']}")
     run.log(f"total {run.elapsed():.0f} s")
