@@ -1,12 +1,14 @@
 """KDA Pallas kernels (interpret mode on CPU) against the plain-JAX reference: chunked prefill,
 fused one-token decode, multi-token verify. Outputs and states are compared, on fresh random
-inputs, with ragged lengths, zero and nonzero initial states, both gate forms, bf16 and fp32."""
+inputs, with ragged lengths, zero and nonzero initial states, both gate forms, bf16 and fp32, with
+and without the in-kernel q/k l2 norm."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.kda import (kda_chunk, kda_decode, kda_gate, kda_recurrent, kda_verify)
+from kernels_pallas.kda import (kda_chunk, kda_decode, kda_gate, kda_recurrent, kda_verify,
+                                l2norm)
 from kernels_pallas.kda.chunk_pallas import ChunkConfig
 
 F32 = jnp.float32
@@ -23,10 +25,13 @@ def tol(dt):
     return 1e-4 if dt == F32 else 1e-2
 
 
-def make(seed, B, T, H, K, V, dt, bounded, nonzero_h0):
+def make(seed, B, T, H, K, V, dt, bounded, nonzero_h0, unit_qk=False):
+    """unit_qk: q and k l2-normalised before the cast (inputs for use_qk_l2norm=False; raw
+    N(0, 1) keys make the delta rule's updates blow up)."""
     ks = jax.random.split(jax.random.key(seed), 8)
-    q = jax.random.normal(ks[0], (B, T, H, K)).astype(dt)
-    k = jax.random.normal(ks[1], (B, T, H, K)).astype(dt)
+    unit = l2norm if unit_qk else lambda x: x
+    q = unit(jax.random.normal(ks[0], (B, T, H, K))).astype(dt)
+    k = unit(jax.random.normal(ks[1], (B, T, H, K))).astype(dt)
     v = jax.random.normal(ks[2], (B, T, H, V)).astype(dt)
     f = jax.random.normal(ks[3], (B, T, H, K))
     A_log = jax.random.uniform(ks[4], (H,), minval=-1.0, maxval=2.0)
@@ -37,29 +42,39 @@ def make(seed, B, T, H, K, V, dt, bounded, nonzero_h0):
     return q, k, v, g, beta, h0
 
 
+def garbage_past(lengths, T):
+    """x -> x with NaN in the rows past lengths[b] (garbage that must reach neither state nor
+    outputs); the identity when lengths is None."""
+    if lengths is None:
+        return lambda x: x
+    pad = jnp.arange(T)[None, :] >= jnp.asarray(lengths)[:, None]
+    return lambda x: jnp.where(pad.reshape(pad.shape + (1,) * (x.ndim - 2)), jnp.nan,
+                               x).astype(x.dtype)
+
+
 CHUNK_CASES = [
-    # (B, T, H, K, lengths, dtype, bounded gate, nonzero h0, safe_gate)
-    (3, 65, 2, 32, [1, 63, 65], F32, False, True, False),     # ragged: lengths 1, 63, 65
-    (2, 64, 2, 32, None, jnp.bfloat16, True, False, False),   # exactly one chunk, bf16
-    (1, 1000, 1, 32, None, F32, True, True, False),           # many chunks, partial last one
-    (2, 130, 1, 32, [130, 70], jnp.bfloat16, False, True, False),
-    (2, 130, 2, 32, [97, 130], F32, True, True, True),        # bounded gate, MMA diagonal path
-    (1, 65, 1, 128, None, jnp.bfloat16, True, True, False),   # K = V = 128 (the model's size)
+    # (B, T, H, K, lengths, dtype, bounded gate, nonzero h0, safe_gate, use_qk_l2norm)
+    (3, 65, 2, 32, [1, 63, 65], F32, False, True, False, True),     # ragged: lengths 1, 63, 65
+    (2, 64, 2, 32, None, jnp.bfloat16, True, False, False, True),   # exactly one chunk, bf16
+    (1, 1000, 1, 32, None, F32, True, True, False, True),           # many chunks, partial last one
+    (2, 130, 1, 32, [130, 70], jnp.bfloat16, False, True, False, True),
+    (2, 130, 2, 32, [97, 130], F32, True, True, True, True),        # bounded gate, MMA diagonal path
+    (1, 65, 1, 128, None, jnp.bfloat16, True, True, False, True),   # K = V = 128 (the model's size)
+    (4, 65, 1, 32, [1, 63, 64, 65], jnp.bfloat16, True, True, False, False),  # no in-kernel norm
+    (2, 130, 2, 64, [130, 64], F32, False, False, False, False),    # no norm, K = 64
 ]
 
 
-@pytest.mark.parametrize("B,T,H,K,lengths,dt,bounded,nz,safe", CHUNK_CASES)
-def test_chunk_vs_reference(B, T, H, K, lengths, dt, bounded, nz, safe):
-    q, k, v, g, beta, h0 = make(T + K, B, T, H, K, K, dt, bounded, nz)
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated_operands"])
+@pytest.mark.parametrize("B,T,H,K,lengths,dt,bounded,nz,safe,l2", CHUNK_CASES)
+def test_chunk_vs_reference(B, T, H, K, lengths, dt, bounded, nz, safe, l2, gated):
+    q, k, v, g, beta, h0 = make(T + K, B, T, H, K, K, dt, bounded, nz, unit_qk=not l2)
     lens = None if lengths is None else jnp.array(lengths, jnp.int32)
-    if lens is not None:  # garbage (NaN) past lengths[b] must reach neither state nor outputs
-        pad = jnp.arange(T)[None, :] >= lens[:, None]
-        bad = lambda x: jnp.where(pad.reshape(pad.shape + (1,) * (x.ndim - 2)), jnp.nan, x).astype(x.dtype)
-    else:
-        bad = lambda x: x
+    bad = garbage_past(lens, T)
     o, s = kda_chunk(bad(q), bad(k), bad(v), bad(g), bad(beta), initial_state=h0, lengths=lens,
-                     use_qk_l2norm=True, safe_gate=safe, backend="interpret")
-    ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=True)
+                     use_qk_l2norm=l2, safe_gate=safe, backend="interpret",
+                     config=ChunkConfig(gated_operands=gated))
+    ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=l2)
     assert o.shape == ro.shape and o.dtype == v.dtype and s.dtype == F32
     assert rel(o, ro) < tol(dt), rel(o, ro)
     assert rel(s, rs) < tol(dt), rel(s, rs)
@@ -205,6 +220,28 @@ def test_chunk_split_inverse(dt, lengths):
         assert rel(po, fo) < (1e-5 if dt == F32 else 1e-2), rel(po, fo)
 
 
+@pytest.mark.parametrize("dt,l2,groups,T,lengths", [
+    (F32, True, 2, 300, [300, 65]),              # two-level scan (out reads h by group)
+    (jnp.bfloat16, False, 1, 65, [1, 64]),
+])
+def test_chunk_gated_operands_exact(dt, l2, groups, T, lengths):
+    """The gated operands stored by the diagonal launch (ChunkConfig.gated_operands) are the
+    values wu and out form without the flag, rounded at the same points: identical results, with
+    one or two V tiles in out; NaN garbage past `lengths` reaches nothing."""
+    B, H, K = 2, 2, 32
+    q, k, v, g, beta, h0 = make(T + 3, B, T, H, K, K, dt, True, True, unit_qk=not l2)
+    lens = jnp.array(lengths, jnp.int32)
+    bad = garbage_past(lens, T)
+    run = lambda **kw: kda_chunk(*map(bad, (q, k, v, g, beta)), initial_state=h0, lengths=lens,
+                                 use_qk_l2norm=l2, backend="interpret",
+                                 config=ChunkConfig(scan_groups=groups, **kw))
+    o, s = run()
+    for kw in (dict(gated_operands=True), dict(gated_operands=True, block_v_out=16)):
+        go, gs = run(**kw)
+        assert jnp.array_equal(o, go) and jnp.array_equal(s, gs), kw
+    assert bool(jnp.isfinite(o.astype(F32)).all())
+
+
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
 def test_kda_kernels_lower_for_gpu(platform):
     """The chunk (plain and two-level scan), decode and verify kernels lower to Triton IR for an
@@ -218,7 +255,9 @@ def test_kda_kernels_lower_for_gpu(platform):
     args = (sd((B, T, H, K), jnp.bfloat16),) * 3 + (sd((B, T, H, K), F32), sd((B, T, H), jnp.bfloat16),
                                                      sd((B, H, K, K), F32))
     for cfg in (ChunkConfig(scan_groups=1), ChunkConfig(scan_groups=0),
-                ChunkConfig(split_inverse=False, diag_inverse="substitution")):
+                ChunkConfig(split_inverse=False, diag_inverse="substitution"),
+                ChunkConfig(gated_operands=True), ChunkConfig(gated_operands=True, scan_groups=1,
+                                                              block_v_out=128)):
         lower_for_gpu(lambda q, k, v, g, b, s, cfg=cfg: kda_chunk_pallas(
             q, k, v, g, b, initial_state=s, use_qk_l2norm=True, config=cfg), *args, platform=platform)
     P = H * K

@@ -7,7 +7,9 @@ Chunks of C = 64 tokens, sub-blocks of 16. Five launches, each small enough to s
      whose decay spans <= MATMUL_SPAN uses one matmul with G at its first row as reference (both
      factors stay in fp32 range); wider spans take the exact path, one exp per (row, column, key
      dim). `safe_gate=True` (the caller promises g >= -5 per token, K3's bounded gate) skips the
-     check.
+     check. `ChunkConfig.gated_operands`: also the gated operands of launches 3 and 5 in the
+     operand dtype (scale Q exp G, beta K exp G, Kg = K exp(G_C - G), exp(G_C)), so that those
+     read neither q, k nor G.
   2. `_inter_kernel`  (chunk, b, h): the off-diagonal 16x16 blocks (reference: the cumulative decay
      at the first row of the later block, so both factors are <= 1 for any gate), looping over key
      tiles; then T = (I + L)^-1 in fp32 (forward substitution on the diagonal blocks, block
@@ -15,7 +17,8 @@ Chunks of C = 64 tokens, sub-blocks of 16. Five launches, each small enough to s
      `ChunkConfig.split_inverse`: the same as two launches (`_offdiag_kernel` storing L in fp32,
      then `_inverse_kernel`), each with fewer live registers.
   3. `_wu_kernel`     (chunk, b, h): W = T diag(beta) (K exp G), U = T diag(beta) V,
-     Kg = K exp(G_C - G), exp(G_C): 64-row matmuls.
+     Kg = K exp(G_C - G), exp(G_C) (the last two from launch 1 with gated_operands): 64-row
+     matmuls.
   4. `_state_kernel`  (b, h, V-tile), sequential over chunks with the fp32 state in registers:
      stores the state entering each chunk, V' = U - W S, and S <- exp(G_C) S + Kg^T V'.
      Two-level variant (ChunkConfig.scan_groups > 1, or 0 = `auto_scan_groups` by shape) for few
@@ -76,6 +79,12 @@ class ChunkConfig:
     # matmuls per block, no loop); see `_invert`. Split launch at B8 T4096 H12 (H200): inverse
     # 0.78 ms with substitution (2026-11-29), 0.217 ms with the product (2026-11-30).
     diag_inverse: str = "product"
+    # the diagonal launch also stores the gated operands, in the operand dtype: scale Q exp(G),
+    # beta K exp(G), Kg = K exp(G_C - G) and exp(G_C) (see `_diag_kernel`); wu then reads neither
+    # k nor G, out neither q, G nor rq, and out does no exps (fewer bytes moved; the fp32 G stays
+    # for the off-diagonal launch). Same values and rounding points as without. Untimed on the
+    # GPU: off until measured (with block_v_out=128, qg and A are read once instead of per tile).
+    gated_operands: bool = False
 
 
 def _is_pow2(n: int) -> bool:
@@ -106,24 +115,62 @@ def _masked(ref, rows, cols, valid, scale=None):
     return jnp.where(valid[:, None], x, 0.0)
 
 
+def _gate_q(q, G, scale):
+    """Out's Q operand in fp32, scale Q exp(G), from masked (normalised) q and its G."""
+    return q * jnp.exp(G) * scale
+
+
+def _gate_w(k, G, beta):
+    """W's K operand in fp32, beta K exp(G), from masked (normalised) k and its G."""
+    return beta[:, None] * k * jnp.exp(G)
+
+
+def _gate_kg(k, G, GC):
+    """The state update's K operand in fp32, Kg = K exp(G_C - G) (G_C: G at the chunk's end)."""
+    return k * jnp.exp(GC[None, :] - G)
+
+
+def _gate_block(g_ref, rows, vm):
+    """A sub-block's g, zero past `length` (so G stays flat there), and its in-block cumsum."""
+    g = jnp.where(vm, g_ref[rows, :], 0.0)
+    return g, jnp.cumsum(g, axis=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # 1. diagonal 16x16 blocks
 # ----------------------------------------------------------------------------------------------
-def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_ref, rk_ref, *,
-                 scale, l2norm, safe_gate, prec_mm):
+def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_ref, rk_ref,
+                 *gated_refs, scale, l2norm, safe_gate, prec_mm):
+    """gated_refs (ChunkConfig.gated_operands): qg, kb, kg [C, K] in the operand dtype and ec [K]
+    receive scale Q exp(G), beta K exp(G), K exp(G_C - G) and exp(G_C)."""
     n = pl.program_id(0)
     length = len_ref[...]
     K = q_ref.shape[-1]
     ri = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 0)
     ci = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 1)
+    sub = lambda i: (slice(i * SB, (i + 1) * SB), _valid_rows(length, n * C + i * SB, SB))
+    beta_of = lambda rows, valid: jnp.where(valid, b_ref[rows].astype(F32), 0.0)
+    if gated_refs:
+        # G_C first (g read twice, the second time from cache), so that Kg is stored per
+        # sub-block while its k and G are live; keeping all four sub-blocks' k and G to the end
+        # would cost ~128 more registers a thread. The same sums and last cumsum as the loop
+        # below (the first three cumsums are unused, dropped): G_C is the stored G[C - 1] bit
+        # for bit.
+        qg_ref, kb_ref, kg_ref, ec_ref = gated_refs
+        c = jnp.zeros((K,), F32)
+        for i in range(NSB):
+            rows, valid = sub(i)
+            g, cs = _gate_block(g_ref, rows, valid[:, None])
+            G, c = cs + c[None, :], c + jnp.sum(g, axis=0)
+        GC = _row(G, SB - 1, SB)
+        ec_ref[...] = jnp.exp(GC)
     carry = jnp.zeros((K,), F32)
     for i in range(NSB):
-        rows = slice(i * SB, (i + 1) * SB)
-        valid = _valid_rows(length, n * C + i * SB, SB)
+        rows, valid = sub(i)
         vm = valid[:, None]
-        # G: cumulative decay from the chunk's start (g past `length` is zero: G flat there)
-        g = jnp.where(vm, g_ref[rows, :], 0.0)
-        G = jnp.cumsum(g, axis=0) + carry[None, :]
+        # G: cumulative decay from the chunk's start
+        g, cs = _gate_block(g_ref, rows, vm)
+        G = cs + carry[None, :]
         G0 = carry + _row(g, 0, SB)
         carry = carry + jnp.sum(g, axis=0)
         G_ref[rows, :] = G
@@ -137,6 +184,14 @@ def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_
             rq = rk = jnp.ones((SB,), F32)
         rq_ref[rows] = rq
         rk_ref[rows] = rk
+        if gated_refs:
+            # here rather than after the blocks below, beta loaded once: Triton 3.6 then compiles
+            # the launch to 255 registers and no spill on sm_90 (4 warps; stored after the
+            # blocks: a 64-byte spill; with safe_gate=True: a 24-byte spill)
+            qg_ref[rows, :] = _gate_q(q, G, scale).astype(qg_ref.dtype)
+            beta = beta_of(rows, valid)
+            kb_ref[rows, :] = _gate_w(k, G, beta).astype(kb_ref.dtype)
+            kg_ref[rows, :] = _gate_kg(k, G, GC).astype(kg_ref.dtype)
 
         def by_matmul(_, q=q, k=k, G=G, G0=G0):
             # exp(G_r - G_j) = exp(G_r - G_0) exp(G_0 - G_j): within fp32 range while the
@@ -162,7 +217,8 @@ def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_
         else:
             span = jnp.max(G0 - carry)                 # carry is now G at the block's last row
             aq, ak = jax.lax.cond(span <= MATMUL_SPAN, by_matmul, exact, None)
-        beta = jnp.where(valid, b_ref[rows].astype(F32), 0.0)
+        if not gated_refs:  # here, as before the flag: the default kernel's IR is unchanged
+            beta = beta_of(rows, valid)
         aq_ref[rows, :] = jnp.where(ri >= ci, aq * scale, 0.0)
         ak_ref[rows, :] = jnp.where(ri > ci, ak * beta[:, None], 0.0)
 
@@ -292,24 +348,33 @@ def _inverse_kernel(l_ref, akd_ref, t_ref, *, diag_inverse):
 # ----------------------------------------------------------------------------------------------
 # 3. W, U, Kg, exp(G_C)
 # ----------------------------------------------------------------------------------------------
-def _wu_kernel(len_ref, k_ref, v_ref, G_ref, b_ref, rk_ref, t_ref, w_ref, u_ref, kg_ref, ec_ref,
-               *, op_dtype, prec_mm):
+def _wu_kernel(*refs, gated, op_dtype, prec_mm):
+    """W = T (beta K exp G), U = T (beta V). `gated`: refs = (len, kb, v, beta, T, w, u), W's
+    operand stored by the diagonal launch; else refs = (len, k, v, G, beta, rk, T, w, u, kg, ec)
+    and W's operand, Kg and exp(G_C) are formed here."""
+    if gated:
+        len_ref, kb_ref, v_ref, b_ref, t_ref, w_ref, u_ref = refs
+    else:
+        len_ref, k_ref, v_ref, G_ref, b_ref, rk_ref, t_ref, w_ref, u_ref, kg_ref, ec_ref = refs
     n = pl.program_id(0)
     valid = _valid_rows(len_ref[...], n * C, C)
-    K, V = k_ref.shape[-1], v_ref.shape[-1]
+    K, V = w_ref.shape[-1], v_ref.shape[-1]
     T = t_ref[...]
     beta = jnp.where(valid, b_ref[...].astype(F32), 0.0)
-    rk = rk_ref[...]
+    rk = None if gated else rk_ref[...]
     tile = 64
     for ct in range(max(K // tile, 1)):
         cols = slice(ct * tile, min((ct + 1) * tile, K))
-        k = _masked(k_ref, slice(None), cols, valid, rk)
-        G = G_ref[:, cols]
-        GC = _row(G, C - 1, C)                        # decay to the chunk's end (g masked: flat)
-        w_ref[:, cols] = _dot(T, (beta[:, None] * k * jnp.exp(G)).astype(op_dtype),
-                              prec_mm).astype(w_ref.dtype)
-        kg_ref[:, cols] = (k * jnp.exp(GC[None, :] - G)).astype(kg_ref.dtype)
-        ec_ref[cols] = jnp.exp(GC)
+        if gated:
+            w_ref[:, cols] = _dot(T, kb_ref[:, cols], prec_mm).astype(w_ref.dtype)
+        else:
+            k = _masked(k_ref, slice(None), cols, valid, rk)
+            G = G_ref[:, cols]
+            GC = _row(G, C - 1, C)                    # decay to the chunk's end (g masked: flat)
+            w_ref[:, cols] = _dot(T, _gate_w(k, G, beta).astype(op_dtype),
+                                  prec_mm).astype(w_ref.dtype)
+            kg_ref[:, cols] = _gate_kg(k, G, GC).astype(kg_ref.dtype)
+            ec_ref[cols] = jnp.exp(GC)
     for ct in range(max(V // tile, 1)):
         cols = slice(ct * tile, min((ct + 1) * tile, V))
         v = _masked(v_ref, slice(None), cols, valid)
@@ -357,12 +422,18 @@ def _state_kernel(*refs, n_chunks, transition, store, op_dtype, prec_mm):
 # ----------------------------------------------------------------------------------------------
 # 5. output
 # ----------------------------------------------------------------------------------------------
-def _out_kernel(len_ref, q_ref, G_ref, rq_ref, a_ref, h_ref, vn_ref, o_ref, *,
-                scale, op_dtype, prec_mm):
+def _out_kernel(len_ref, *refs, gated, scale, op_dtype, prec_mm):
+    """`gated`: refs = (qg, A, h, vn, o), scale Q exp(G) stored by the diagonal launch; else
+    refs = (q, G, rq, A, h, vn, o) and it is formed here."""
     n = pl.program_id(0)
     valid = _valid_rows(len_ref[...], n * C, C)
-    q = _masked(q_ref, slice(None), slice(None), valid, rq_ref[...])
-    qg = (q * jnp.exp(G_ref[...]) * scale).astype(op_dtype)
+    if gated:
+        qg_ref, a_ref, h_ref, vn_ref, o_ref = refs
+        qg = qg_ref[...]
+    else:
+        q_ref, G_ref, rq_ref, a_ref, h_ref, vn_ref, o_ref = refs
+        q = _masked(q_ref, slice(None), slice(None), valid, rq_ref[...])
+        qg = _gate_q(q, G_ref[...], scale).astype(op_dtype)
     o = _dot(qg, h_ref[...], prec_mm) + _dot(a_ref[...], vn_ref[...], prec_mm)
     o_ref[...] = jnp.where(valid[:, None], o, 0.0).astype(o_ref.dtype)
 
@@ -375,18 +446,26 @@ def _pick_block_v(B, H, V, n_sm=None):
     return 16 if V % 16 == 0 else V
 
 
-def _launch_diag(lens, q, k, g, beta, *, scale, l2norm, safe_gate, prec_mm, cfg, interpret):
+def _launch_diag(lens, q, k, g, beta, *, scale, l2norm, safe_gate, op_dtype, prec_mm, cfg,
+                 interpret):
+    """-> G, Aqk and L diagonal blocks, rq, rk; with cfg.gated_operands also qg, kb, kg
+    [B, H, Tp, K] (operand dtype) and ec [B, H, N, K]."""
     B, Tp, H, K = q.shape
     tok, per, vec, beta_spec, length = _chunk_specs()
     sds = jax.ShapeDtypeStruct
+    out_specs = [tok(K), per(SB), per(SB), vec, vec]
+    out_shape = [sds((B, Tp, H, K), F32), sds((B, H, Tp, SB), F32), sds((B, H, Tp, SB), F32),
+                 sds((B, H, Tp), F32), sds((B, H, Tp), F32)]
+    if cfg.gated_operands:
+        out_specs += [per(K)] * 3 + [_chunk_row_spec(K)]
+        out_shape += [sds((B, H, Tp, K), op_dtype)] * 3 + [sds((B, H, Tp // C, K), F32)]
     return pl.pallas_call(
         functools.partial(_diag_kernel, scale=scale, l2norm=l2norm, safe_gate=safe_gate,
                           prec_mm=prec_mm),
         grid=(Tp // C, B, H),
         in_specs=[length, tok(K), tok(K), tok(K), beta_spec],
-        out_specs=[tok(K), per(SB), per(SB), vec, vec],
-        out_shape=(sds((B, Tp, H, K), F32), sds((B, H, Tp, SB), F32), sds((B, H, Tp, SB), F32),
-                   sds((B, H, Tp), F32), sds((B, H, Tp), F32)),
+        out_specs=out_specs,
+        out_shape=tuple(out_shape),
         compiler_params=triton_params(num_warps=cfg.num_warps_diag, num_stages=1),
         interpret=interpret, name="kda_chunk_diag",
     )(lens, q, k, g, beta)
@@ -399,6 +478,11 @@ def _chunk_specs():
     beta = pl.BlockSpec((None, C, None), lambda n, b, h: (b, n, h))
     length = pl.BlockSpec((None,), lambda n, b, h: (b,))
     return tok, per, vec, beta, length
+
+
+def _chunk_row_spec(X):
+    """One row per chunk of a [B, H, N, X] array (exp(G_C)), grid (chunk, b, h)."""
+    return pl.BlockSpec((None, None, None, X), lambda n, b, h: (b, h, n, 0))
 
 
 def _launch_inter(lens, q, k, G, beta, rq, rk, aqd, akd, *, scale, op_dtype, prec_mm, cfg,
@@ -447,22 +531,31 @@ def _launch_inverse(L, akd, *, op_dtype, cfg, interpret):
     )(L, akd)
 
 
-def _launch_wu(lens, k, v, G, beta, rk, Tinv, *, op_dtype, prec_mm, cfg, interpret):
-    B, Tp, H, K = k.shape
-    V, N = v.shape[-1], Tp // C
+def _launch_wu(lens, v, beta, Tinv, *k_ops, op_dtype, prec_mm, cfg, interpret):
+    """k_ops: (kb,) [B, H, Tp, K] with cfg.gated_operands -> (w, u); else (k, G, rk) ->
+    (w, u, kg, ec)."""
+    B, Tp, H, V = v.shape
+    K, N = k_ops[0].shape[-1], Tp // C
     tok, per, vec, beta_spec, length = _chunk_specs()
     sds = jax.ShapeDtypeStruct
+    out_specs = [per(K), per(V)]
+    out_shape = [sds((B, H, Tp, K), op_dtype), sds((B, H, Tp, V), op_dtype)]
+    if cfg.gated_operands:
+        (kb,) = k_ops
+        in_specs, args = [length, per(K), tok(V), beta_spec, per(C)], (lens, kb, v, beta, Tinv)
+    else:
+        k, G, rk = k_ops
+        in_specs = [length, tok(K), tok(V), tok(K), beta_spec, vec, per(C)]
+        args = (lens, k, v, G, beta, rk, Tinv)
+        out_specs += [per(K), _chunk_row_spec(K)]
+        out_shape += [sds((B, H, Tp, K), op_dtype), sds((B, H, N, K), F32)]
     return pl.pallas_call(
-        functools.partial(_wu_kernel, op_dtype=op_dtype, prec_mm=prec_mm),
-        grid=(N, B, H),
-        in_specs=[length, tok(K), tok(V), tok(K), beta_spec, vec, per(C)],
-        out_specs=[per(K), per(V), per(K),
-                   pl.BlockSpec((None, None, None, K), lambda n, b, h: (b, h, n, 0))],
-        out_shape=(sds((B, H, Tp, K), op_dtype), sds((B, H, Tp, V), op_dtype),
-                   sds((B, H, Tp, K), op_dtype), sds((B, H, N, K), F32)),
+        functools.partial(_wu_kernel, gated=cfg.gated_operands, op_dtype=op_dtype,
+                          prec_mm=prec_mm),
+        grid=(N, B, H), in_specs=in_specs, out_specs=out_specs, out_shape=tuple(out_shape),
         compiler_params=triton_params(num_warps=cfg.num_warps_wu, num_stages=1),
         interpret=interpret, name="kda_chunk_wu",
-    )(lens, k, v, G, beta, rk, Tinv)
+    )(*args)
 
 
 def _launch_state(w, u, kg, ec, h0, *, groups=1, transition=False, store=True, op_dtype,
@@ -528,30 +621,31 @@ def auto_scan_groups(B, H, V, n_chunks, n_sm=None, min_chunks=8):
     return groups
 
 
-def _launch_out(lens, q, G, rq, A, h, vn, *, groups, scale, out_dtype, op_dtype, prec_mm, cfg,
+def _launch_out(lens, A, h, vn, *q_ops, groups, scale, out_dtype, op_dtype, prec_mm, cfg,
                 interpret):
-    """h, vn come from the scan in its layout: [B * groups, H, chunks per group * (K | C), V]."""
-    B, Tp, H, K = q.shape
-    V, N = vn.shape[-1], Tp // C
+    """h, vn come from the scan in its layout: [B * groups, H, chunks per group * (K | C), V].
+    q_ops: (qg,) [B, H, Tp, K] with cfg.gated_operands, else (q, G, rq)."""
+    B, H, Tp, _ = A.shape
+    K, V, N = q_ops[0].shape[-1], vn.shape[-1], Tp // C
     per = N // groups
     hist = lambda n, b, h, j: (b * groups + n // per, h, n % per, j)
     bvo = min(cfg.block_v_out, V)
     spec = lambda shape, idx: pl.BlockSpec(shape, idx)
+    chunk = lambda X: spec((None, None, C, X), lambda n, b, h, j: (b, h, n, 0))
+    tok = spec((None, C, None, K), lambda n, b, h, j: (b, n, h, 0))
+    q_specs = ([chunk(K)] if cfg.gated_operands else
+               [tok, tok, spec((None, None, C), lambda n, b, h, j: (b, h, n))])
     return pl.pallas_call(
-        functools.partial(_out_kernel, scale=scale, op_dtype=op_dtype, prec_mm=prec_mm),
+        functools.partial(_out_kernel, gated=cfg.gated_operands, scale=scale, op_dtype=op_dtype,
+                          prec_mm=prec_mm),
         grid=(N, B, H, V // bvo),
-        in_specs=[spec((None,), lambda n, b, h, j: (b,)),
-                  spec((None, C, None, K), lambda n, b, h, j: (b, n, h, 0)),
-                  spec((None, C, None, K), lambda n, b, h, j: (b, n, h, 0)),
-                  spec((None, None, C), lambda n, b, h, j: (b, h, n)),
-                  spec((None, None, C, C), lambda n, b, h, j: (b, h, n, 0)),
-                  spec((None, None, K, bvo), hist),
-                  spec((None, None, C, bvo), hist)],
+        in_specs=[spec((None,), lambda n, b, h, j: (b,))] + q_specs + [
+            chunk(C), spec((None, None, K, bvo), hist), spec((None, None, C, bvo), hist)],
         out_specs=spec((None, C, None, bvo), lambda n, b, h, j: (b, n, h, j)),
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype),
         compiler_params=triton_params(num_warps=cfg.num_warps_out, num_stages=2),
         interpret=interpret, name="kda_chunk_out",
-    )(lens, q, G, rq, A, h, vn)
+    )(lens, *q_ops, A, h, vn)
 
 
 def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=None,
@@ -598,8 +692,9 @@ def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=No
 
     j = lambda f, **kw: jax.jit(functools.partial(f, **kw))
     q, k, v, g, beta = run("pad", jax.jit(prepare), q, k, v, g, beta)
-    G, aqd, akd, rq, rk = run("diag", j(_launch_diag, scale=scale, l2norm=use_qk_l2norm,
-                                     safe_gate=safe_gate, **common), lens, q, k, g, beta)
+    G, aqd, akd, rq, rk, *gated = run("diag", j(_launch_diag, scale=scale, l2norm=use_qk_l2norm,
+                                                safe_gate=safe_gate, op_dtype=op_dtype, **common),
+                                      lens, q, k, g, beta)
     if cfg.split_inverse:  # off-diagonal blocks, then the inverse, as two launches
         A, L = run("offdiag", j(_launch_offdiag, scale=scale, op_dtype=op_dtype, **common),
                    lens, q, k, G, beta, rq, rk, aqd)
@@ -608,8 +703,12 @@ def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=No
     else:
         A, Tinv = run("inter", j(_launch_inter, scale=scale, op_dtype=op_dtype, **common),
                       lens, q, k, G, beta, rq, rk, aqd, akd)
-    w, u, kg, ec = run("wu", j(_launch_wu, op_dtype=op_dtype, **common),
-                       lens, k, v, G, beta, rk, Tinv)
+    wu = j(_launch_wu, op_dtype=op_dtype, **common)
+    if cfg.gated_operands:  # W's operand, Kg and exp(G_C) come from the diagonal launch
+        qg, kb, kg, ec = gated
+        w, u = run("wu", wu, lens, v, beta, Tinv, kb)
+    else:
+        w, u, kg, ec = run("wu", wu, lens, v, beta, Tinv, k, G, rk)
     state = lambda **kw: j(_launch_state, op_dtype=op_dtype, groups=groups, **kw, **common)
     if groups == 1:
         h, vn, ht = run("state", state(), w, u, kg, ec, h0)
@@ -621,7 +720,8 @@ def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=No
                          P, Q, h0)
         h, vn, _ = run("state_replay", state(), w, u, kg, ec, starts)
     o = run("out", j(_launch_out, groups=groups, scale=scale, out_dtype=out_dtype,
-                     op_dtype=op_dtype, **common), lens, q, G, rq, A, h, vn)
+                     op_dtype=op_dtype, **common), lens, A, h, vn,
+            *((qg,) if cfg.gated_operands else (q, G, rq)))
     if Tp != T:
         o = o[:, :T]
     return stages, (o, ht)
