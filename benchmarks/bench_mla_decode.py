@@ -175,9 +175,10 @@ POOL_PAGES = POOL_TOKENS // PAGE
 
 def full_cfg(B, ctx, dtype, cfg, heads=HEADS):
     kw = {k: v for k, v in cfg.items() if k not in ("merge", "partials")}
+    # partials: mla_decode's default for the bench's bf16 output
     return dict(resolve_config((B, 1, heads, 576), (POOL_PAGES, PAGE, 576),
                                jnp.bfloat16 if dtype == "bf16" else F8, (B, ctx // PAGE), **kw),
-                merge=cfg.get("merge", "pallas"), partials=cfg.get("partials", "float32"))
+                merge=cfg.get("merge", "pallas"), partials=cfg.get("partials", "bfloat16"))
 
 
 # ---------------------------------------------------------------- lowering check (CPU)

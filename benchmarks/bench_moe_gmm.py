@@ -811,7 +811,10 @@ def layer_params(cfg, key):
 
 def layer_reference(cfg, p, x, sel):
     """moe_apply's math for the tokens `sel` of x, written per token: each token's k experts
-    gathered (and dequantised), fp32 products; no sort, no grouped matmul, no Pallas."""
+    gathered (and dequantised), fp32 products; no sort, no grouped matmul, no Pallas. Not
+    moe_apply(backend="reference"): that runs moe_gmm_reference, which dequantises all 896
+    experts and expands ragged_dot (tens of GB, seconds) at K3 dims. Routing, GLU, norm and the
+    shared experts are the model's own functions; only the expert combine is written here."""
     from kimik3.layers.common import glu, rms_normalize
     from kimik3.layers.moe import mlp_apply, route
     dt, f32, hi = cfg.jnp_dtype, jnp.float32, jax.lax.Precision.HIGHEST

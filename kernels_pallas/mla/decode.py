@@ -42,10 +42,12 @@ Math and shapes: see reference.py. Kernel layout:
   `fp8_dot` chooses the dtype the dots run in: "bf16", or "fp16" (the default, with
   "operand"): e4m3 -> fp16 is exact and one hardware conversion, and q rows are divided by
   their max |q| (the score multiplied back) so that no bf16 q overflows fp16.
-* Each program writes its normalised partial o (fp32) and lse (-inf when it saw no key); the
-  splits are merged exactly by one more Pallas kernel (merge.py, 2.2-3.0 us at batch 1 on the
-  H200; `merge="xla"`: the plain-JAX `merge_stacked`, ~6 XLA kernels, ~6 us); its traffic,
-  2 x 4 B x 513 per row and split, is counted by the split policy. One split needs no merge.
+* Each program writes its normalised partial o (`partials`: bf16 when the output is 16-bit,
+  else fp32) and lse (fp32, -inf when it saw no key); the splits are merged exactly by one more
+  Pallas kernel (merge.py, 2.2-3.0 us at batch 1 on the H200; `merge="xla"`: the plain-JAX
+  `merge_stacked`, ~6 XLA kernels, ~6 us); the split policy counts that traffic at fp32 size,
+  2 x 4 B x 513 per row and split (with bf16 partials it is about half; the H200 sweep of
+  2026-11-30 still found the policy's split count best at B1). One split needs no merge.
 
 Splits (`num_splits`, an int or a policy): the grid has B * head_blocks * num_splits programs;
 with equal lengths each takes the same time, so a program count just above a multiple of the
