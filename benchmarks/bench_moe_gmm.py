@@ -43,7 +43,9 @@ layer_gmm,layer):
            (BENCH_LAYER_FORMATS, default mxfp4,bf16): GPU kernel sum, kernel span, wall clock,
            the moe_gmm kernels' share. Each case is first checked on 4 of its tokens against
            `layer_reference` (per token: its 16 experts gathered and dequantised, fp32 products;
-           no sort, no Pallas) and against the other format's output.
+           no sort, no Pallas) and against the other format's output. BENCH_LAYER_GLU=fused,unfused
+           also times the layer with gate/up as two products and the activation after
+           (moe_apply(fuse_glu=False)).
   The whole set, with the ceilings and the TP8 fused gate/up, in one device call (about 180-240 s
   with compiles, estimated: ~24 kernel compiles + 33 profiler traces in layer_gmm, 6 layer
   compiles; peak JAX memory ~75 GB, the layer's bf16 experts (59 GB) with their MXFP4 source
@@ -861,12 +863,13 @@ def layer_counts(cfg, tokens, experts_hit, fmt):
     return flop, dense_elems * 2 + experts_hit * per_expert
 
 
-def layer_section(run, ctx, token_list, formats, table):
+def layer_section(run, ctx, token_list, formats, table, glu_modes=("fused",)):
     """The full MoE layer (kimik3.layers.moe.moe_apply: router, sort, fused gate/up + down grouped
     matmuls, combine, latent down/up + norm, shared experts) at K3 dims on one device, under
     jax.jit, MXFP4 experts then their exact bf16 dequantisation (dense experts). Each case is first
     checked against `layer_reference` on a few of its tokens, then timed: the GPU kernels' sum,
-    their span, the wall clock; the moe_gmm kernels' share."""
+    their span, the wall clock; the moe_gmm kernels' share. glu_modes: "fused" (one gate/up +
+    activation kernel, the layer's default) and/or "unfused" (moe_apply(fuse_glu=False))."""
     from kimik3.config import Config
     from kimik3.layers.moe import MoE, moe_apply, route
     cpu, backend, ceil = ctx["cpu"], ctx["backend"], ctx["ceil"]
@@ -910,14 +913,19 @@ def layer_section(run, ctx, token_list, formats, table):
             p["experts"] = dense
             del ex, dense
         cfg_f = cfg.replace(expert_format="dense" if fmt == "bf16" else "mxfp4")
-        f = jax.jit(lambda p_, x_, c=cfg_f: moe_apply(c, p_, x_, backend))
-        for t in token_list:
-            label = f"layer {fmt} {t}"
+        for fused, t in [(g == "fused", t) for t in token_list for g in glu_modes]:
+            name = fmt if fused else f"{fmt}+unfused_glu"
+            f = jax.jit(lambda p_, x_, c=cfg_f, fu=fused: moe_apply(c, p_, x_, backend,
+                                                                    fuse_glu=fu))
+            label = f"layer {name} {t}"
             if not run.start(label):
                 continue
             m = t * k
-            cfgs = {"gate_up_glu": default_config(m, E, L, I, fmt == "mxfp4", True,
-                                                  platform=plat).name(),
+            gate_up = ({"gate_up_glu": default_config(m, E, L, I, fmt == "mxfp4", True,
+                                                      platform=plat).name()} if fused else
+                       {"gate_up (x2)": default_config(m, E, L, I, fmt == "mxfp4",
+                                                       platform=plat).name()})
+            cfgs = {**gate_up,
                     "down": default_config(m, E, I, L, fmt == "mxfp4", platform=plat).name()}
             try:
                 x = jax.random.normal(jax.random.key(50 + t), (t, D), cfg.jnp_dtype)
@@ -938,16 +946,25 @@ def layer_section(run, ctx, token_list, formats, table):
                            gmm_configs=cfgs, flop=flop, weight_bytes=wb, experts_hit=hit)
                 if ent.get("gmm_kernel_ms") is not None:
                     ent["gmm_share_pct"] = 100 * ent["gmm_kernel_ms"] / ms
-                outs.setdefault(t, {})[fmt] = y
+                outs.setdefault(t, {})[name] = y
                 del y, yr
             except Exception as ex:  # noqa: BLE001
                 ent = {"error": repr(ex)[:600], "gmm_configs": cfgs}
-            res.setdefault(fmt, {})[str(t)] = ent
+            res.setdefault(name, {})[str(t)] = ent
             run.log(f"{label} [{cfgs}]: " + json.dumps(ent)[:500])
             run.done()
             if "ms" in ent:
-                table.append((fmt, t, ent))
+                table.append((name, t, ent))
     p = outs = None  # noqa: F841
+
+
+def _layer_glu_modes():
+    """BENCH_LAYER_GLU: comma-separated "fused" / "unfused" (default fused)."""
+    modes = tuple(os.environ.get("BENCH_LAYER_GLU", "fused").split(","))
+    bad = [m for m in modes if m not in ("fused", "unfused")]
+    if bad:
+        raise SystemExit(f"BENCH_LAYER_GLU: {bad} not among fused, unfused")
+    return modes
 
 
 def run_bench(args):
@@ -1110,7 +1127,8 @@ def run_bench(args):
     if "layer" in sections:
         layer_section(run, ctx, [int(t) for t in os.environ.get(
             "BENCH_LAYER_TOKENS", "8,64" if cpu else "64,512,8192").split(",") if t],
-            os.environ.get("BENCH_LAYER_FORMATS", "mxfp4,bf16").split(","), layer_table)
+            os.environ.get("BENCH_LAYER_FORMATS", "mxfp4,bf16").split(","), layer_table,
+            glu_modes=_layer_glu_modes())
 
     # summary tables
     rows = []

@@ -214,8 +214,10 @@ def test_chunk_split_inverse(dt, lengths):
     assert jnp.array_equal(o, fo) and jnp.array_equal(s, fs)
     ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=True)
     assert rel(o, ro) < tol(dt) and rel(s, rs) < tol(dt), (rel(o, ro), rel(s, rs))
-    for cfg in (ChunkConfig(split_inverse=False, diag_inverse="product"), ChunkConfig()):
-        po, ps = run(cfg)  # the product form of the diagonal blocks' inverse
+    for cfg in (ChunkConfig(split_inverse=False, diag_inverse="product"), ChunkConfig(),
+                ChunkConfig(inverse_precision="bf16x3"),
+                ChunkConfig(split_inverse=False, inverse_precision="bf16x3")):
+        po, ps = run(cfg)  # the product form of the diagonal blocks' inverse; its precisions
         assert rel(po, ro) < tol(dt) and rel(ps, rs) < tol(dt), (cfg, rel(po, ro), rel(ps, rs))
         assert rel(po, fo) < (1e-5 if dt == F32 else 1e-2), rel(po, fo)
 
@@ -257,7 +259,8 @@ def test_kda_kernels_lower_for_gpu(platform):
     for cfg in (ChunkConfig(scan_groups=1), ChunkConfig(scan_groups=0),
                 ChunkConfig(split_inverse=False, diag_inverse="substitution"),
                 ChunkConfig(gated_operands=True), ChunkConfig(gated_operands=True, scan_groups=1,
-                                                              block_v_out=128)):
+                                                              block_v_out=128),
+                ChunkConfig(inverse_precision="bf16x3"), ChunkConfig(inverse_precision="tf32")):
         lower_for_gpu(lambda q, k, v, g, b, s, cfg=cfg: kda_chunk_pallas(
             q, k, v, g, b, initial_state=s, use_qk_l2norm=True, config=cfg), *args, platform=platform)
     P = H * K
@@ -270,3 +273,18 @@ def test_kda_kernels_lower_for_gpu(platform):
     ver = tuple(sd(s.shape[:1] + (4,) + s.shape[2:], s.dtype) for s in args[:5]) + (args[5],)
     lower_for_gpu(lambda q, k, v, g, b, s: kda_verify_pallas(q, k, v, g, b, s, use_qk_l2norm=True),
                   *ver, platform=platform)
+
+
+def test_inverse_precision_bf16x3_close_to_fp32():
+    """The bf16x3 products give the fp32 inverse to ~1e-5 before T is rounded to bf16: the
+    outputs match the fp32-product ("ieee") run far inside bf16's rounding, and an unknown name
+    is refused."""
+    B, T, H, K = 1, 130, 2, 32
+    q, k, v, g, beta, h0 = make(11, B, T, H, K, K, jnp.bfloat16, True, True)
+    run = lambda p: kda_chunk(q, k, v, g, beta, initial_state=h0, use_qk_l2norm=True,
+                              backend="interpret", config=ChunkConfig(inverse_precision=p))
+    o, s = run("ieee")
+    xo, xs = run("bf16x3")
+    assert rel(xo, o) < 1e-3 and rel(xs, s) < 1e-3, (rel(xo, o), rel(xs, s))
+    with pytest.raises(ValueError, match="inverse_precision"):
+        run("fp16")

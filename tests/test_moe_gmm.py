@@ -114,6 +114,10 @@ def test_moe_gmm_glu_matches_reference(activation, wtype, dequant):
     assert _rel(y, ref) < 1e-2
     total = int(np.sum(np.asarray(gs)))
     assert np.all(np.asarray(y[total:], np.float32) == 0.0)
+    # unfused: two products with fp32 outputs, the activation after; the same values
+    yu = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="interpret", config=cfg,
+                     fuse=False)
+    assert _rel(yu, y) < 1e-2 and np.all(np.asarray(yu[total:], np.float32) == 0.0)
 
 
 def test_tile_metadata_covers_rows_once():

@@ -57,10 +57,13 @@ class ChunkConfig:
     """Launch parameters of the kernels (see module docstring). The defaults are the best of the
     H200 measurements (benchmarks/results_kda.md): 2026-11-29's sweep, and on 2026-11-30 the
     split launch 2 with the product inverse (B8 T4096 H12 2.207 vs 2.690 ms fused; B1 T8192 H96
-    4.280 vs 5.299; B1 T32768 H16 3.441 vs 4.058)."""
+    4.280 vs 5.299; B1 T32768 H16 3.441 vs 4.058); on 2026-12-01 a per-launch sweep (64-column
+    scan, 128-column out, bf16x3 inverse at 4 warps: 1.991 / 3.864 / 2.944 ms)."""
     block_k_inter: int = 32
-    block_v_state: int | None = None   # None: by occupancy (_pick_block_v)
-    block_v_out: int = 64
+    block_v_state: int | None = None   # None: `_pick_block_v`
+    # 128: q, G and A are read once per chunk instead of once per V tile (H200, B8 T4096 H12,
+    # 2026-12-01: out 0.208 vs 0.310 ms at 64)
+    block_v_out: int = 128
     num_warps_diag: int = 4
     num_warps_inter: int = 4     # the off-diagonal launch when split (the fused one ran with 2)
     num_warps_wu: int = 4
@@ -74,16 +77,26 @@ class ChunkConfig:
     # the fused launch uses 255 registers and spills on sm_90 (results_kda.md). With the product
     # inverse the split is 1.2x faster overall (2026-11-30); with substitution it was not.
     split_inverse: bool = True
-    num_warps_inverse: int = 8  # 139 registers, no spills on sm_90 (2 or 4 warps: 255 and spills)
+    # 8 warps with "ieee" products (139 registers; 2 or 4 warps: 255 and spills); 4 with
+    # "bf16x3" (H200, B8 T4096 H12: 0.192 ms vs 0.217 for ieee at 8; bf16x3 at 8 warps 0.529)
+    num_warps_inverse: int = 4
     # the diagonal 16x16 blocks' inverse: "substitution" (15 dependent steps) or "product" (six
     # matmuls per block, no loop); see `_invert`. Split launch at B8 T4096 H12 (H200): inverse
     # 0.78 ms with substitution (2026-11-29), 0.217 ms with the product (2026-11-30).
     diag_inverse: str = "product"
+    # the inverse's 16x16 products (launch 2b, or 2 fused) with bf16 operands: "ieee" (fp32 on
+    # the CUDA cores, no tensor cores), "bf16x3" (each fp32 factor split into a bf16 high and low
+    # part, three tensor-core products: ~16 mantissa bits, far below the bf16 rounding of the
+    # finished T) or "tf32" (one tensor-core product, 10 bits; FLA's choice). fp32 operands
+    # always take "ieee".
+    # (H200, B8 T4096 H12, 4 warps: bf16x3 0.192 ms, tf32 0.168 ms; ieee at 8 warps 0.217)
+    inverse_precision: str = "bf16x3"
     # the diagonal launch also stores the gated operands, in the operand dtype: scale Q exp(G),
     # beta K exp(G), Kg = K exp(G_C - G) and exp(G_C) (see `_diag_kernel`); wu then reads neither
     # k nor G, out neither q, G nor rq, and out does no exps (fewer bytes moved; the fp32 G stays
-    # for the off-diagonal launch). Same values and rounding points as without. Untimed on the
-    # GPU: off until measured (with block_v_out=128, qg and A are read once instead of per tile).
+    # for the off-diagonal launch). Same values and rounding points as without. Off
+    # because measured slower overall (H200, B8 T4096 H12, 2026-12-01): wu 0.274 ->
+    # 0.132 ms and out 0.208 -> 0.145, but the diagonal launch 0.636 -> 1.72 ms.
     gated_operands: bool = False
 
 
@@ -171,7 +184,9 @@ def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_
         # G: cumulative decay from the chunk's start
         g, cs = _gate_block(g_ref, rows, vm)
         G = cs + carry[None, :]
-        G0 = carry + _row(g, 0, SB)
+        # G at the block's first row, from that row's g loaded again (a cached [K] load instead
+        # of a masked reduction over the block's rows); zero past `length` like `_gate_block`
+        G0 = carry + jnp.where(n * C + i * SB < length, g_ref[i * SB, :], 0.0)
         carry = carry + jnp.sum(g, axis=0)
         G_ref[rows, :] = G
         q = jnp.where(vm, q_ref[rows, :].astype(F32), 0.0)
@@ -253,7 +268,23 @@ def _offdiag_blocks(n, length, q_ref, k_ref, G_ref, rq_ref, rk_ref, block_k, pre
     return Aq, Ak, valid
 
 
-def _invert(L, akd_ref, diag_inverse="substitution"):
+def _dot_bf16x3(a, b):
+    """a @ b for fp32 a, b on bf16 tensor cores: hi*hi + hi*lo + lo*hi (the lo*lo term is below
+    fp32's last bits of the others), fp32 accumulation."""
+    bf = jnp.bfloat16
+    ah, bh = a.astype(bf), b.astype(bf)
+    al, bl = (a - ah.astype(F32)).astype(bf), (b - bh.astype(F32)).astype(bf)
+    return _dot(ah, bl, None) + _dot(al, bh, None) + _dot(ah, bh, None)
+
+
+INVERSE_DOTS = {
+    "ieee": lambda a, b: _dot(a, b, HIGHEST),
+    "tf32": lambda a, b: _dot(a, b, jax.lax.Precision.DEFAULT),
+    "bf16x3": _dot_bf16x3,
+}
+
+
+def _invert(L, akd_ref, diag_inverse="substitution", precision="ieee"):
     """T = (I + L)^-1 in fp32 from L's off-diagonal blocks (dict (i, j) -> [SB, SB], i > j) and
     its diagonal blocks (akd_ref [C, SB], strictly lower), block substitution for the
     off-diagonal part. The four diagonal blocks D (nilpotent: D^16 = 0):
@@ -261,7 +292,11 @@ def _invert(L, akd_ref, diag_inverse="substitution"):
         interleave), each reading one row of D from memory;
       "product": (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8), six 16x16 fp32 matmuls per
         block, no loop and no loads after the first.
+    `precision`: how the 16x16 products are computed (ChunkConfig.inverse_precision).
     """
+    if precision not in INVERSE_DOTS:
+        raise ValueError(f"inverse_precision={precision!r}: one of {sorted(INVERSE_DOTS)}")
+    mm = INVERSE_DOTS[precision]
     ri = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 0)
     rvec = jax.lax.broadcasted_iota(jnp.int32, (SB,), 0)
     eye = (ri == jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 1)).astype(F32)
@@ -272,8 +307,8 @@ def _invert(L, akd_ref, diag_inverse="substitution"):
             D = akd_ref[i * SB:(i + 1) * SB, :].astype(F32)
             P, X = eye - D, D
             for _ in range(3):
-                X = _dot(X, X, HIGHEST)                  # D^2, D^4, D^8
-                P = _dot(P, eye + X, HIGHEST)
+                X = mm(X, X)                             # D^2, D^4, D^8
+                P = mm(P, eye + X)
             T[i, i] = P
     elif diag_inverse == "substitution":
         def fsub(r, Ts):
@@ -291,9 +326,9 @@ def _invert(L, akd_ref, diag_inverse="substitution"):
             j = i - dlt
             acc = None
             for m in range(j, i):
-                t = _dot(L[i, m], T[m, j], HIGHEST)
+                t = mm(L[i, m], T[m, j])
                 acc = t if acc is None else acc + t
-            T[i, j] = -_dot(T[i, i], acc, HIGHEST)
+            T[i, j] = -mm(T[i, i], acc)
     return T
 
 
@@ -324,10 +359,10 @@ def _store_a_get_l(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref,
 
 
 def _inter_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, akd_ref,
-                  a_ref, t_ref, *, scale, block_k, op_dtype, prec_mm, diag_inverse):
+                  a_ref, t_ref, *, scale, block_k, op_dtype, prec_mm, diag_inverse, inv_prec):
     L = _store_a_get_l(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, a_ref,
                        scale=scale, block_k=block_k, prec_mm=prec_mm)
-    _store_lower(t_ref, _invert(L, akd_ref, diag_inverse))
+    _store_lower(t_ref, _invert(L, akd_ref, diag_inverse, inv_prec))
 
 
 def _offdiag_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, a_ref, l_ref, *,
@@ -339,10 +374,10 @@ def _offdiag_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref
     _store_lower(l_ref, {**L, **{(i, i): jnp.zeros((SB, SB), F32) for i in range(NSB)}})
 
 
-def _inverse_kernel(l_ref, akd_ref, t_ref, *, diag_inverse):
+def _inverse_kernel(l_ref, akd_ref, t_ref, *, diag_inverse, inv_prec):
     """Launch 2b of the split variant: T from L (off-diagonal blocks, fp32) and its diagonal."""
     L = {(i, j): l_ref[i * SB:(i + 1) * SB, j * SB:(j + 1) * SB] for i in range(1, NSB) for j in range(i)}
-    _store_lower(t_ref, _invert(L, akd_ref, diag_inverse))
+    _store_lower(t_ref, _invert(L, akd_ref, diag_inverse, inv_prec))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -439,11 +474,16 @@ def _out_kernel(len_ref, *refs, gated, scale, op_dtype, prec_mm):
 
 
 def _pick_block_v(B, H, V, n_sm=None):
+    """The scan's value-column tile. Each V tile re-reads the chunk's W and Kg, so the scan is
+    bound by those bytes: 64 columns beat 32 even with fewer programs than SMs (H200,
+    2026-12-01: B8 T4096 H12, 192 programs, 0.233 vs 0.344 ms; B1 T32768 H16 two-level, 0.561
+    vs 0.865 ms; 128 columns at 8 warps 0.301 / 0.617). Narrower tiles only where 64-column ones
+    would leave more than half the SMs idle (not timed)."""
     n_sm = n_sm or num_sms()
     for bv in (64, 32, 16):
-        if V % bv == 0 and B * H * (V // bv) >= 2 * n_sm:
+        if V % bv == 0 and (B * H * (V // bv) >= n_sm // 2 or bv == 16):
             return bv
-    return 16 if V % 16 == 0 else V
+    return V
 
 
 def _launch_diag(lens, q, k, g, beta, *, scale, l2norm, safe_gate, op_dtype, prec_mm, cfg,
@@ -492,7 +532,8 @@ def _launch_inter(lens, q, k, G, beta, rq, rk, aqd, akd, *, scale, op_dtype, pre
     sds = jax.ShapeDtypeStruct
     return pl.pallas_call(
         functools.partial(_inter_kernel, scale=scale, block_k=cfg.block_k_inter,
-                          op_dtype=op_dtype, prec_mm=prec_mm, diag_inverse=cfg.diag_inverse),
+                          op_dtype=op_dtype, prec_mm=prec_mm, diag_inverse=cfg.diag_inverse,
+                          inv_prec=_inverse_precision(cfg, op_dtype)),
         grid=(Tp // C, B, H),
         in_specs=[length, tok(K), tok(K), tok(K), beta_spec, vec, vec, per(SB), per(SB)],
         out_specs=[per(C), per(C)],
@@ -521,7 +562,8 @@ def _launch_inverse(L, akd, *, op_dtype, cfg, interpret):
     B, H, Tp, _ = L.shape
     _, per, _, _, _ = _chunk_specs()
     return pl.pallas_call(
-        functools.partial(_inverse_kernel, diag_inverse=cfg.diag_inverse),
+        functools.partial(_inverse_kernel, diag_inverse=cfg.diag_inverse,
+                          inv_prec=_inverse_precision(cfg, op_dtype)),
         grid=(Tp // C, B, H),
         in_specs=[per(C), per(SB)],
         out_specs=per(C),
@@ -529,6 +571,11 @@ def _launch_inverse(L, akd, *, op_dtype, cfg, interpret):
         compiler_params=triton_params(num_warps=cfg.num_warps_inverse, num_stages=1),
         interpret=interpret, name="kda_chunk_inverse",
     )(L, akd)
+
+
+def _inverse_precision(cfg, op_dtype):
+    """fp32 operands keep the fp32 inverse; bf16 ones take the configured products."""
+    return "ieee" if op_dtype == F32 else cfg.inverse_precision
 
 
 def _launch_wu(lens, v, beta, Tinv, *k_ops, op_dtype, prec_mm, cfg, interpret):

@@ -640,11 +640,20 @@ def moe_gmm(x, w, group_sizes, *, backend: str | None = None, preferred_element_
 
 def moe_gmm_glu(x, w1, w3, group_sizes, *, activation: str = "swiglu", backend: str | None = None,
                 preferred_element_type=None, config: GmmConfig | None = None, precision=None,
-                situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
-    """Fused gate/up: act(x @ w1[g]) * (x @ w3[g]) in one pass over x (activation "swiglu" or
-    "situ": SiTU(a) * 25 tanh(b / 25)). w1, w3 as in `moe_gmm` (both dense or both MXFP4)."""
+                situ_beta: float = 4.0, situ_linear_beta: float = 25.0, fuse: bool = True):
+    """Gate/up: act(x @ w1[g]) * (x @ w3[g]) (activation "swiglu" or "situ": SiTU(a) *
+    25 tanh(b / 25)). w1, w3 as in `moe_gmm` (both dense or both MXFP4). `fuse`: one pass over
+    x with both products and the activation in the kernel's epilogue; False: two `moe_gmm`
+    launches with fp32 outputs, then the activation in XLA (same math, an [M, N] fp32 pair in
+    memory; at K3 scale the unfused product ran faster in results_moe.md, inside the layer not
+    yet timed)."""
     backend = resolve_backend(backend)
     out_dtype = preferred_element_type or x.dtype
+    if not fuse and backend != "reference":
+        a, b = (moe_gmm(x, w, group_sizes, backend=backend, preferred_element_type=jnp.float32,
+                        config=config, precision=precision) for w in (w1, w3))
+        return glu(a, b, activation, situ_beta=situ_beta,
+                   situ_linear_beta=situ_linear_beta).astype(out_dtype)
     if backend == "reference":
         return moe_gmm_glu_reference(x, w1, w3, group_sizes, activation=activation,
                                      preferred_element_type=out_dtype, situ_beta=situ_beta,

@@ -108,11 +108,12 @@ def _grouped_weight(experts: dict, name: str, dtype):
     return MXFP4Weight(experts[f"{name}_packed"], experts[f"{name}_scale"])
 
 
-def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0):
+def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0, fuse_glu=True):
     """sum_j weights[n, j] * expert_{idx[n, j]}(u[n]) in fp32 [N, in], over the experts held here:
     `experts` holds E_local of them (its leading dimension), ids first .. first + E_local - 1;
     pairs routed elsewhere contribute 0. With the whole set (first 0, E_local = E) this is the
-    layer's routed output; split intermediates give a partial sum."""
+    layer's routed output; split intermediates give a partial sum. `fuse_glu`: gate/up and the
+    activation in one kernel (see `moe_gmm_glu`)."""
     dt = cfg.jnp_dtype
     w = {n: _grouped_weight(experts, n, dt) for n in ("w1", "w3", "w2")}
     E_local = w["w1"].shape[0]
@@ -125,7 +126,7 @@ def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0):
     xs = u[rows // k]
     act = "situ" if cfg.hidden_act == "situ" else "swiglu"
     h = moe_gmm_glu(xs, w["w1"], w["w3"], group_sizes, activation=act, backend=backend,
-                    situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta)
+                    situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, fuse=fuse_glu)
     y = moe_gmm(h.astype(dt), w["w2"], group_sizes, backend=backend)  # rows past the sum are zero
     y = jnp.zeros((N * k, y.shape[-1]), y.dtype).at[rows].set(y).reshape(N, k, -1)
     return jnp.einsum("nk,nkd->nd", weights, y.astype(F32), precision=HIGHEST)
@@ -147,11 +148,12 @@ def sum_partials(terms):
     return functools.reduce(operator.add, parts)
 
 
-def moe_apply(cfg, p, xf, backend=None, axes: MoEAxes = MoEAxes()):
+def moe_apply(cfg, p, xf, backend=None, axes: MoEAxes = MoEAxes(), fuse_glu=True):
     """One MoE layer on tokens xf [N, D] -> [N, D]; p holds this rank's slices of the weights as
     `axes` says (the default: whole weights, no collective). Collectives: the routed experts'
     partial latent sums reduce over their axes (latent MoE; one psum), then one psum assembles
-    shared experts + up-projection (dedup) or shared + routed (no latent)."""
+    shared experts + up-projection (dedup) or shared + routed (no latent). `fuse_glu`: see
+    `experts_combine`."""
     dt = cfg.jnp_dtype
     logits = jnp.dot(xf.astype(F32), p["gate"].astype(F32), precision=HIGHEST)
     idx, w = route(logits, p["e_score_correction_bias"], cfg)
@@ -160,7 +162,7 @@ def moe_apply(cfg, p, xf, backend=None, axes: MoEAxes = MoEAxes()):
     first = 0
     if axes.expert:
         first = jax.lax.axis_index(axes.expert) * jax.tree.leaves(p["experts"])[0].shape[0]
-    routed = experts_combine(cfg, p["experts"], u, idx, w, backend, first)
+    routed = experts_combine(cfg, p["experts"], u, idx, w, backend, first, fuse_glu)
     routed_axes = tuple(a for a in (axes.expert, axes.expert_inner) if a)
     terms = []
     if cfg.num_shared_experts:
