@@ -108,9 +108,14 @@ def kda_kernels():
     chunk_split = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
                                                             use_qk_l2norm=True, config=split)
     launches_split = launches[:1] + [(split.num_warps_inter, 1), (split.num_warps_inverse, 1)] + launches[2:]
+    tiled = ChunkConfig(diag_block_k=32)  # the key-tiled diagonal launch (not yet timed)
+    chunk_tiled = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
+                                                            use_qk_l2norm=True, config=tiled)
     return [("kda_chunk fused (before 11-30) [diag, inter, wu, state, out]", chunk, chunk_args, launches),
             ("kda_chunk default [diag, offdiag, inverse, wu, state, out]", chunk_split, chunk_args,
              launches_split),
+            ("kda_chunk diag_block_k=32 [diag, offdiag, inverse, wu, state, out]", chunk_tiled,
+             chunk_args, launches_split),
             ("kda_decode B64 H12", dec, dec_args, [(4, 1)]),
             ("kda_verify B1 T4 H12", ver, ver_args, [(2, 1)])]
 

@@ -260,7 +260,8 @@ def test_kda_kernels_lower_for_gpu(platform):
                 ChunkConfig(split_inverse=False, diag_inverse="substitution"),
                 ChunkConfig(gated_operands=True), ChunkConfig(gated_operands=True, scan_groups=1,
                                                               block_v_out=128),
-                ChunkConfig(inverse_precision="bf16x3"), ChunkConfig(inverse_precision="tf32")):
+                ChunkConfig(inverse_precision="bf16x3"), ChunkConfig(inverse_precision="tf32"),
+                ChunkConfig(diag_block_k=32)):
         lower_for_gpu(lambda q, k, v, g, b, s, cfg=cfg: kda_chunk_pallas(
             q, k, v, g, b, initial_state=s, use_qk_l2norm=True, config=cfg), *args, platform=platform)
     P = H * K
@@ -288,3 +289,30 @@ def test_inverse_precision_bf16x3_close_to_fp32():
     assert rel(xo, o) < 1e-3 and rel(xs, s) < 1e-3, (rel(xo, o), rel(xs, s))
     with pytest.raises(ValueError, match="inverse_precision"):
         run("fp16")
+
+
+@pytest.mark.parametrize("dt,bounded,safe,l2,lengths", [
+    (F32, False, False, True, [1, 130]),          # unbounded gate: the exact path, ragged
+    (jnp.bfloat16, True, False, True, None),      # bounded gate: the matmul path
+    (jnp.bfloat16, True, True, False, [64, 70]),  # safe_gate, no l2 norm
+])
+def test_chunk_diag_block_k(dt, bounded, safe, l2, lengths):
+    """The diagonal launch in key tiles (ChunkConfig.diag_block_k) matches the reference and the
+    whole-row launch (products rounded per tile, so to rounding, not bit for bit); NaN
+    garbage past `lengths` reaches nothing; a tile that does not divide K is refused."""
+    B, T, H, K = 2, 130, 2, 64
+    q, k, v, g, beta, h0 = make(T + 5, B, T, H, K, K, dt, bounded, True, unit_qk=not l2)
+    lens = None if lengths is None else jnp.array(lengths, jnp.int32)
+    bad = garbage_past(lens, T)
+    run = lambda **kw: kda_chunk(*map(bad, (q, k, v, g, beta)), initial_state=h0, lengths=lens,
+                                 use_qk_l2norm=l2, safe_gate=safe, backend="interpret",
+                                 config=ChunkConfig(**kw))
+    o, s = run()
+    ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=l2)
+    for bk in (16, 32):
+        to, ts = run(diag_block_k=bk)
+        assert rel(to, ro) < tol(dt) and rel(ts, rs) < tol(dt), (bk, rel(to, ro), rel(ts, rs))
+        assert rel(to, o) < (1e-5 if dt == F32 else 1e-2), (bk, rel(to, o))
+        assert bool(jnp.isfinite(to.astype(F32)).all())
+    with pytest.raises(ValueError, match="diag_block_k"):
+        run(diag_block_k=48)

@@ -98,6 +98,11 @@ class ChunkConfig:
     # because measured slower overall (H200, B8 T4096 H12, 2026-12-01): wu 0.274 ->
     # 0.132 ms and out 0.208 -> 0.145, but the diagonal launch 0.636 -> 1.72 ms.
     gated_operands: bool = False
+    # the diagonal launch in key tiles of this many columns (`_diag_kernel_tiled`); None: whole
+    # rows (`_diag_kernel`). ncu (2026-12-01): the whole-row launch holds 243 registers (each
+    # warp keeps its dots' full-width [16, 128] operands), so 2 blocks per SM, latency-bound.
+    # Same math, products rounded per tile. Untimed: off until measured.
+    diag_block_k: int | None = None
 
 
 def _is_pow2(n: int) -> bool:
@@ -144,8 +149,9 @@ def _gate_kg(k, G, GC):
 
 
 def _gate_block(g_ref, rows, vm):
-    """A sub-block's g, zero past `length` (so G stays flat there), and its in-block cumsum."""
-    g = jnp.where(vm, g_ref[rows, :], 0.0)
+    """A sub-block's g, zero past `length` (so G stays flat there), and its in-block cumsum.
+    rows: the sub-block's rows (all columns), or a (rows, columns) pair."""
+    g = jnp.where(vm, g_ref[rows if isinstance(rows, tuple) else (rows, slice(None))], 0.0)
     return g, jnp.cumsum(g, axis=0)
 
 
@@ -234,6 +240,77 @@ def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_
             aq, ak = jax.lax.cond(span <= MATMUL_SPAN, by_matmul, exact, None)
         if not gated_refs:  # here, as before the flag: the default kernel's IR is unchanged
             beta = beta_of(rows, valid)
+        aq_ref[rows, :] = jnp.where(ri >= ci, aq * scale, 0.0)
+        ak_ref[rows, :] = jnp.where(ri > ci, ak * beta[:, None], 0.0)
+
+
+def _diag_kernel_tiled(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_ref,
+                       rk_ref, *, scale, l2norm, safe_gate, prec_mm, block_k):
+    """`_diag_kernel` with each sub-block's key dimension in tiles of `block_k`
+    (ChunkConfig.diag_block_k): G, its carry and the two products are formed tile by tile, the
+    products on the raw (masked) q and k, and the l2 norms scale the 16x16 results after
+    (A_rj = rq_r rk_j sum_k ...). So no full-width [16, K] tile, and no full-width dot operand
+    (which each warp holds whole), is live. The span check takes the maximum over the tiles;
+    the exact path reloads its tiles from the refs."""
+    n = pl.program_id(0)
+    length = len_ref[...]
+    K = q_ref.shape[-1]
+    tiles = [slice(t * block_k, (t + 1) * block_k) for t in range(K // block_k)]
+    ri = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 0)
+    ci = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 1)
+    z = jnp.zeros((SB, SB), F32)
+    carry = [jnp.zeros((block_k,), F32) for _ in tiles]
+    for i in range(NSB):
+        rows = slice(i * SB, (i + 1) * SB)
+        valid = _valid_rows(length, n * C + i * SB, SB)
+        vm = valid[:, None]
+        before = list(carry)
+        ssq_q = ssq_k = jnp.zeros((SB,), F32)
+        aq = ak = z
+        span = jnp.float32(0.0)
+        for t, cols in enumerate(tiles):
+            g, cs = _gate_block(g_ref, (rows, cols), vm)
+            G = cs + before[t][None, :]
+            G0 = before[t] + jnp.where(n * C + i * SB < length, g_ref[i * SB, cols], 0.0)
+            carry[t] = before[t] + jnp.sum(g, axis=0)
+            G_ref[rows, cols] = G
+            q = jnp.where(vm, q_ref[rows, cols].astype(F32), 0.0)
+            k = jnp.where(vm, k_ref[rows, cols].astype(F32), 0.0)
+            ssq_q, ssq_k = ssq_q + jnp.sum(q * q, axis=1), ssq_k + jnp.sum(k * k, axis=1)
+            eq = jnp.exp(G - G0[None, :])              # as in `_diag_kernel`'s by_matmul
+            ek = k * jnp.exp(G0[None, :] - G)
+            aq = aq + _dot(q * eq, ek, prec_mm, trans_b=True)
+            ak = ak + _dot(k * eq, ek, prec_mm, trans_b=True)
+            if not safe_gate:
+                span = jnp.maximum(span, jnp.max(G0 - carry[t]))
+        if l2norm:
+            rq, rk = jax.lax.rsqrt(ssq_q + 1e-6), jax.lax.rsqrt(ssq_k + 1e-6)
+        else:
+            rq = rk = jnp.ones((SB,), F32)
+        rq_ref[rows] = rq
+        rk_ref[rows] = rk
+        aq = aq * rq[:, None] * rk[None, :]
+        ak = ak * rk[:, None] * rk[None, :]
+        if not safe_gate:
+            def exact(_, rows=rows, vm=vm, before=before, rq=rq, rk=rk):
+                acc = (z, z)
+                for t, cols in enumerate(tiles):
+                    g, cs = _gate_block(g_ref, (rows, cols), vm)
+                    G = cs + before[t][None, :]
+                    q = jnp.where(vm, q_ref[rows, cols].astype(F32), 0.0) * rq[:, None]
+                    k = jnp.where(vm, k_ref[rows, cols].astype(F32), 0.0) * rk[:, None]
+
+                    def col(j, acc, q=q, k=k, G=G):
+                        aq_, ak_ = acc
+                        E = jnp.exp(jnp.minimum(G - _row(G, j, SB)[None, :], 0.0))
+                        kE = _row(k, j, SB)[None, :] * E
+                        aq_ = aq_ + jnp.where(ci == j, jnp.sum(q * kE, axis=1)[:, None], 0.0)
+                        ak_ = ak_ + jnp.where(ci == j, jnp.sum(k * kE, axis=1)[:, None], 0.0)
+                        return aq_, ak_
+                    acc = jax.lax.fori_loop(0, SB, col, acc)
+                return acc
+            aq, ak = jax.lax.cond(span <= MATMUL_SPAN, lambda _, a=(aq, ak): a, exact, None)
+        beta = jnp.where(valid, b_ref[rows].astype(F32), 0.0)
         aq_ref[rows, :] = jnp.where(ri >= ci, aq * scale, 0.0)
         ak_ref[rows, :] = jnp.where(ri > ci, ak * beta[:, None], 0.0)
 
@@ -499,8 +576,15 @@ def _launch_diag(lens, q, k, g, beta, *, scale, l2norm, safe_gate, op_dtype, pre
     if cfg.gated_operands:
         out_specs += [per(K)] * 3 + [_chunk_row_spec(K)]
         out_shape += [sds((B, H, Tp, K), op_dtype)] * 3 + [sds((B, H, Tp // C, K), F32)]
+    if cfg.diag_block_k is not None:
+        if cfg.gated_operands or K % cfg.diag_block_k or cfg.diag_block_k < 16:
+            raise ValueError(f"diag_block_k={cfg.diag_block_k}: a divisor of K={K}, >= 16, "
+                             "without gated_operands")
+        kernel = functools.partial(_diag_kernel_tiled, block_k=cfg.diag_block_k)
+    else:
+        kernel = _diag_kernel
     return pl.pallas_call(
-        functools.partial(_diag_kernel, scale=scale, l2norm=l2norm, safe_gate=safe_gate,
+        functools.partial(kernel, scale=scale, l2norm=l2norm, safe_gate=safe_gate,
                           prec_mm=prec_mm),
         grid=(Tp // C, B, H),
         in_specs=[length, tok(K), tok(K), tok(K), beta_spec],
