@@ -183,10 +183,20 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
       8192 tokens 1.874 ms vs torch 1.905 ms (1.02x); the same blocks with s3 (the previous
       default) 1.933 ms (0.99x) in the same run, so the gain is marginal, within run-to-run noise.
     * Not measured with these choices: the middle regime, MXFP4 prefill (still "interleave"),
-      the fused gate/up (moe_gmm_glu, which takes the same decode choice), ROCm.
+      ROCm.
+    * The fused gate/up (`glu_`) takes half the plain kernel's block_n (and 8 warps at prefill):
+      each program holds two accumulators and streams two weight tiles. At the plain blocks it
+      was measured at half the unfused product's rate (results_moe.md runs 4-5: 45-46% of copy
+      at decode vs 65-66%; 123-125 TFLOP/s at 8192 tokens vs 247), and offline (upstream Triton
+      3.6, sm_90, K3's gate/up) it took 129 KB of shared memory at decode (one block per SM) and
+      spilled 1.6-1.8 KB a thread at prefill. With half the block_n: 77 KB and 168 registers at
+      decode, no spill at prefill (128 x 64, 8 warps: 174 registers). Chosen offline on
+      2026-12-01; not yet timed on the device.
     """
     rows_per_group = m / max(g, 1)
     bn = 128 if n >= 128 else max(16, pl.next_power_of_2(n))
+    if glu_:
+        bn = max(16, bn // 2)
     if rows_per_group < 24:  # decode: few rows per expert; stream weights
         if not quant:
             return GmmConfig(block_m=16, block_n=bn, block_k=_fit_k(128, k), num_warps=4,
@@ -204,7 +214,7 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
                          num_warps=4, num_stages=4)
     if quant or glu_ or n < 256:
         return GmmConfig(block_m=128, block_n=bn, block_k=_fit_k(64, k), block_m_small=32,
-                         num_warps=4, num_stages=3)
+                         num_warps=8 if glu_ else 4, num_stages=3)
     return GmmConfig(block_m=128, block_n=256, block_k=_fit_k(64, k), block_m_small=32,
                      num_warps=8, num_stages=4)
 
