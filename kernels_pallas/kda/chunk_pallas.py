@@ -100,7 +100,8 @@ class ChunkConfig:
     gated_operands: bool = False
     # the diagonal launch in key tiles of this many columns (`_diag_kernel_tiled`); None: whole
     # rows (`_diag_kernel`). ncu (2026-12-01): the whole-row launch holds 243 registers (each
-    # warp keeps its dots' full-width [16, 128] operands), so 2 blocks per SM, latency-bound.
+    # warp keeps its dots' full-width [16, 128] operands), so 2 blocks per SM, latency-bound;
+    # the tiled one 143 offline (3 blocks per SM).
     # Same math, products rounded per tile. Untimed: off until measured.
     diag_block_k: int | None = None
 
@@ -250,8 +251,10 @@ def _diag_kernel_tiled(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_re
     (ChunkConfig.diag_block_k): G, its carry and the two products are formed tile by tile, the
     products on the raw (masked) q and k, and the l2 norms scale the 16x16 results after
     (A_rj = rq_r rk_j sum_k ...). So no full-width [16, K] tile, and no full-width dot operand
-    (which each warp holds whole), is live. The span check takes the maximum over the tiles;
-    the exact path reloads its tiles from the refs."""
+    (which each warp holds whole), is live; the sub-blocks run as a device loop, so only one
+    sub-block's tiles are (offline, sm_90, 32-key tiles: 143 registers against 248 for the
+    whole-row launch; 168 with the sub-blocks unrolled). The span check takes the maximum over
+    the tiles; the exact path reloads its tiles from the refs."""
     n = pl.program_id(0)
     length = len_ref[...]
     K = q_ref.shape[-1]
@@ -259,12 +262,12 @@ def _diag_kernel_tiled(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_re
     ri = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 0)
     ci = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 1)
     z = jnp.zeros((SB, SB), F32)
-    carry = [jnp.zeros((block_k,), F32) for _ in tiles]
-    for i in range(NSB):
-        rows = slice(i * SB, (i + 1) * SB)
+
+    def sub_block(i, before):
+        rows = pl.ds(pl.multiple_of(i * SB, SB), SB)
         valid = _valid_rows(length, n * C + i * SB, SB)
         vm = valid[:, None]
-        before = list(carry)
+        carry = list(before)
         ssq_q = ssq_k = jnp.zeros((SB,), F32)
         aq = ak = z
         span = jnp.float32(0.0)
@@ -313,6 +316,10 @@ def _diag_kernel_tiled(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_re
         beta = jnp.where(valid, b_ref[rows].astype(F32), 0.0)
         aq_ref[rows, :] = jnp.where(ri >= ci, aq * scale, 0.0)
         ak_ref[rows, :] = jnp.where(ri > ci, ak * beta[:, None], 0.0)
+        return tuple(carry)
+
+    # a device loop over the sub-blocks: one sub-block's tiles live at a time
+    jax.lax.fori_loop(0, NSB, sub_block, tuple(jnp.zeros((block_k,), F32) for _ in tiles))
 
 
 # ----------------------------------------------------------------------------------------------
