@@ -9,13 +9,15 @@ Chunks of C = 64 tokens, sub-blocks of 16. Five launches, each small enough to s
      dim). `safe_gate=True` (the caller promises g >= -5 per token, K3's bounded gate) skips the
      check. `ChunkConfig.gated_operands`: also the gated operands of launches 3 and 5 in the
      operand dtype (scale Q exp G, beta K exp G, Kg = K exp(G_C - G), exp(G_C)), so that those
-     read neither q, k nor G.
+     read neither q, k nor G. `ChunkConfig.diag_block_k`: the same launch in key tiles
+     (`_diag_kernel_tiled`, fewer registers).
   2. `_inter_kernel`  (chunk, b, h): the off-diagonal 16x16 blocks (reference: the cumulative decay
      at the first row of the later block, so both factors are <= 1 for any gate), looping over key
      tiles; then T = (I + L)^-1 in fp32 (forward substitution on the diagonal blocks, block
      substitution for the rest) and only the finished T rounded to the operand dtype.
      `ChunkConfig.split_inverse`: the same as two launches (`_offdiag_kernel` storing L in fp32,
-     then `_inverse_kernel`), each with fewer live registers.
+     then `_inverse_kernel`), each with fewer live registers. `ChunkConfig.inverse_precision`:
+     how the inverse's 16x16 products are computed (bf16x3 by default for bf16 operands).
   3. `_wu_kernel`     (chunk, b, h): W = T diag(beta) (K exp G), U = T diag(beta) V,
      Kg = K exp(G_C - G), exp(G_C) (the last two from launch 1 with gated_operands): 64-row
      matmuls.
