@@ -105,17 +105,21 @@ def kda_kernels():
         SD((1, 4, H, K), jnp.float32), SD((1, 4, H), jnp.bfloat16), SD((1, H, K, K), jnp.float32))
     ver = lambda q, k, v, g, b, s: kda_verify_pallas(q, k, v, g, b, s, use_qk_l2norm=True)
     split = ChunkConfig()     # the default since 2026-11-30: split launch 2, product inverse
+    # safe_gate: as the K3 layer calls it (bounded gate)
     chunk_split = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
-                                                            use_qk_l2norm=True, config=split)
+                                                            use_qk_l2norm=True, config=split,
+                                                            safe_gate=True)
     launches_split = launches[:1] + [(split.num_warps_inter, 1), (split.num_warps_inverse, 1)] + launches[2:]
     tiled = ChunkConfig(diag_block_k=32)  # the key-tiled diagonal launch (not yet timed)
     chunk_tiled = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
-                                                            use_qk_l2norm=True, config=tiled)
-    return [("kda_chunk fused (before 11-30) [diag, inter, wu, state, out]", chunk, chunk_args, launches),
-            ("kda_chunk default [diag, offdiag, inverse, wu, state, out]", chunk_split, chunk_args,
-             launches_split),
-            ("kda_chunk diag_block_k=32 [diag, offdiag, inverse, wu, state, out]", chunk_tiled,
-             chunk_args, launches_split),
+                                                            use_qk_l2norm=True, config=tiled,
+                                                            safe_gate=True)
+    return [("kda_chunk fused launch 2 (the layout before 11-30; today's other defaults) "
+             "[diag, inter, wu, state, out]", chunk, chunk_args, launches),
+            ("kda_chunk default, safe_gate [diag, offdiag, inverse, wu, state, out]",
+             chunk_split, chunk_args, launches_split),
+            ("kda_chunk diag_block_k=32, safe_gate [diag, offdiag, inverse, wu, state, out]",
+             chunk_tiled, chunk_args, launches_split),
             ("kda_decode B64 H12", dec, dec_args, [(4, 1)]),
             ("kda_verify B1 T4 H12", ver, ver_args, [(2, 1)])]
 

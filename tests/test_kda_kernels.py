@@ -215,9 +215,10 @@ def test_chunk_split_inverse(dt, lengths):
     ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=True)
     assert rel(o, ro) < tol(dt) and rel(s, rs) < tol(dt), (rel(o, ro), rel(s, rs))
     for cfg in (ChunkConfig(split_inverse=False, diag_inverse="product"), ChunkConfig(),
-                ChunkConfig(inverse_precision="bf16x3"),
-                ChunkConfig(split_inverse=False, inverse_precision="bf16x3")):
+                ChunkConfig(inverse_precision="ieee", num_warps_inverse=8),
+                ChunkConfig(inverse_precision="tf32")):
         po, ps = run(cfg)  # the product form of the diagonal blocks' inverse; its precisions
+        # (bf16 operands; fp32 ones always take "ieee". The interpreter computes "tf32" in fp32.)
         assert rel(po, ro) < tol(dt) and rel(ps, rs) < tol(dt), (cfg, rel(po, ro), rel(ps, rs))
         assert rel(po, fo) < (1e-5 if dt == F32 else 1e-2), rel(po, fo)
 
@@ -260,7 +261,7 @@ def test_kda_kernels_lower_for_gpu(platform):
                 ChunkConfig(split_inverse=False, diag_inverse="substitution"),
                 ChunkConfig(gated_operands=True), ChunkConfig(gated_operands=True, scan_groups=1,
                                                               block_v_out=128),
-                ChunkConfig(inverse_precision="bf16x3"), ChunkConfig(inverse_precision="tf32"),
+                ChunkConfig(inverse_precision="ieee"), ChunkConfig(inverse_precision="tf32"),
                 ChunkConfig(diag_block_k=32)):
         lower_for_gpu(lambda q, k, v, g, b, s, cfg=cfg: kda_chunk_pallas(
             q, k, v, g, b, initial_state=s, use_qk_l2norm=True, config=cfg), *args, platform=platform)
@@ -289,19 +290,36 @@ def test_inverse_precision_bf16x3_close_to_fp32():
     assert rel(xo, o) < 1e-3 and rel(xs, s) < 1e-3, (rel(xo, o), rel(xs, s))
     with pytest.raises(ValueError, match="inverse_precision"):
         run("fp16")
+    with pytest.raises(ValueError, match="inverse_precision"):  # refused with fp32 inputs too
+        kda_chunk(*(x.astype(F32) for x in (q, k, v)), g, beta.astype(F32), initial_state=h0,
+                  backend="interpret", config=ChunkConfig(inverse_precision="fp16"))
 
 
-@pytest.mark.parametrize("dt,bounded,safe,l2,lengths", [
-    (F32, False, False, True, [1, 130]),          # unbounded gate: the exact path, ragged
-    (jnp.bfloat16, True, False, True, None),      # bounded gate: the matmul path
-    (jnp.bfloat16, True, True, False, [64, 70]),  # safe_gate, no l2 norm
+def _max_block_span(g):
+    """The largest decay span (G at a 16-row sub-block's first row minus G at its last) over
+    the chunk-aligned sub-blocks of g [B, T, H, K]: > MATMUL_SPAN sends a block down the exact
+    path."""
+    B, T, H, K = g.shape
+    Tp = -(-T // 16) * 16
+    gb = jnp.pad(g, ((0, 0), (0, Tp - T), (0, 0), (0, 0))).reshape(B, Tp // 16, 16, H, K)
+    return float(jnp.max(-jnp.sum(gb[:, :, 1:], axis=2)))
+
+
+@pytest.mark.parametrize("dt,bounded,safe,l2,lengths,gscale", [
+    (F32, False, False, True, [1, 130], 4.0),          # steep gate: blocks take the exact path
+    (jnp.bfloat16, True, False, True, None, 1.0),      # bounded gate: the matmul path
+    (jnp.bfloat16, True, True, False, [64, 70], 1.0),  # safe_gate, no l2 norm
 ])
-def test_chunk_diag_block_k(dt, bounded, safe, l2, lengths):
+def test_chunk_diag_block_k(dt, bounded, safe, l2, lengths, gscale):
     """The diagonal launch in key tiles (ChunkConfig.diag_block_k) matches the reference and the
-    whole-row launch (products rounded per tile, so to rounding, not bit for bit); NaN
-    garbage past `lengths` reaches nothing; a tile that does not divide K is refused."""
+    whole-row launch (products rounded per tile, so to rounding, not bit for bit), on the exact
+    path too; NaN garbage past `lengths` reaches nothing; a tile that does not divide K is
+    refused."""
+    from kernels_pallas.kda.chunk_pallas import MATMUL_SPAN
     B, T, H, K = 2, 130, 2, 64
     q, k, v, g, beta, h0 = make(T + 5, B, T, H, K, K, dt, bounded, True, unit_qk=not l2)
+    g = g * gscale
+    assert (_max_block_span(g) > MATMUL_SPAN) == (gscale > 1), _max_block_span(g)
     lens = None if lengths is None else jnp.array(lengths, jnp.int32)
     bad = garbage_past(lens, T)
     run = lambda **kw: kda_chunk(*map(bad, (q, k, v, g, beta)), initial_state=h0, lengths=lens,

@@ -46,6 +46,31 @@ def test_kda_decode_layer_on_the_fused_kernel():
         assert jnp.max(jnp.abs(out[active] - ref[active])) / jnp.max(jnp.abs(ref[active])) < 1e-5, name
 
 
+def test_kda_prefill_layer_on_the_chunk_kernel():
+    """A prompt longer than RECURRENT_MAX_T takes the chunk kernel: with K3's bounded gate the
+    layer passes safe_gate (the matmul diagonal blocks), with the softplus gate it does not; both
+    equal the reference path, ragged rows included."""
+    from kimik3.layers.kda import KDA, RECURRENT_MAX_T, kda_cache_shapes
+
+    for name in ("tiny", "tiny-linear"):
+        cfg = kimik3.Config.preset(name)
+        B, T, D = 2, 70, cfg.hidden_size
+        assert T > RECURRENT_MAX_T
+        layer = KDA(cfg)
+        x = jax.random.normal(jax.random.key(0), (B, T, D))
+        n_new = jnp.array([T, 33], jnp.int32)
+        params = layer.init(jax.random.key(1), x, None, n_new)
+        shapes = kda_cache_shapes(cfg, B)
+        cache = {k: jax.random.normal(jax.random.key(i + 2), s).astype(d) for i, (k, (s, d)) in enumerate(shapes.items())}
+        ref, ref_cache = layer.apply(params, x, jax.tree.map(jnp.copy, cache), n_new, backend="reference")
+        out, out_cache = layer.apply(params, x, jax.tree.map(jnp.copy, cache), n_new, backend="interpret")
+        for key in ("state", "conv"):
+            assert jnp.max(jnp.abs(out_cache[key] - ref_cache[key])) < 1e-4, (name, key)
+        err = [jnp.max(jnp.abs(out[b, :n] - ref[b, :n])) / jnp.max(jnp.abs(ref[b, :n]))
+               for b, n in enumerate(n_new.tolist())]
+        assert max(err) < 1e-4, (name, err)
+
+
 def test_moe_layer_on_the_grouped_matmul_kernel():
     from kimik3.layers.moe import MoE
 

@@ -355,8 +355,9 @@ def _offdiag_blocks(n, length, q_ref, k_ref, G_ref, rq_ref, rk_ref, block_k, pre
 
 
 def _dot_bf16x3(a, b):
-    """a @ b for fp32 a, b on bf16 tensor cores: hi*hi + hi*lo + lo*hi (the lo*lo term is below
-    fp32's last bits of the others), fp32 accumulation."""
+    """a @ b for fp32 a, b on bf16 tensor cores: hi*hi + hi*lo + lo*hi, fp32 accumulation. The
+    dropped lo*lo term and the low parts' own rounding leave ~16 mantissa bits: far below the
+    bf16 rounding of the finished T, far above fp32's 24."""
     bf = jnp.bfloat16
     ah, bh = a.astype(bf), b.astype(bf)
     al, bl = (a - ah.astype(F32)).astype(bf), (b - bh.astype(F32)).astype(bf)
@@ -668,6 +669,9 @@ def _launch_inverse(L, akd, *, op_dtype, cfg, interpret):
 
 def _inverse_precision(cfg, op_dtype):
     """fp32 operands keep the fp32 inverse; bf16 ones take the configured products."""
+    if cfg.inverse_precision not in INVERSE_DOTS:
+        raise ValueError(f"inverse_precision={cfg.inverse_precision!r}: one of "
+                         f"{sorted(INVERSE_DOTS)}")
     return "ieee" if op_dtype == F32 else cfg.inverse_precision
 
 
