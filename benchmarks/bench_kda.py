@@ -201,7 +201,7 @@ def overrides(item: str) -> dict:
 
 def chunk_configs():
     """BENCH_CHUNK_CONFIGS: ';'-separated ChunkConfig overrides, e.g.
-    "block_k_inter=64,num_warps_inter=8;gated_operands=1,block_v_out=128" (the default config
+    "block_k_inter=64,num_warps_inter=8;diag_block_k=32" (the default config
     always runs first, as cfg0; values that are not integers are passed as strings; bool fields
     take 0/1 or false/true). Every config is checked against the reference (correctness) and
     timed (prefill)."""

@@ -65,15 +65,15 @@ CHUNK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated_operands"])
+@pytest.mark.parametrize("diag_block_k", [None, 16], ids=["whole_rows", "key_tiled_diag"])
 @pytest.mark.parametrize("B,T,H,K,lengths,dt,bounded,nz,safe,l2", CHUNK_CASES)
-def test_chunk_vs_reference(B, T, H, K, lengths, dt, bounded, nz, safe, l2, gated):
+def test_chunk_vs_reference(B, T, H, K, lengths, dt, bounded, nz, safe, l2, diag_block_k):
     q, k, v, g, beta, h0 = make(T + K, B, T, H, K, K, dt, bounded, nz, unit_qk=not l2)
     lens = None if lengths is None else jnp.array(lengths, jnp.int32)
     bad = garbage_past(lens, T)
     o, s = kda_chunk(bad(q), bad(k), bad(v), bad(g), bad(beta), initial_state=h0, lengths=lens,
                      use_qk_l2norm=l2, safe_gate=safe, backend="interpret",
-                     config=ChunkConfig(gated_operands=gated))
+                     config=ChunkConfig(diag_block_k=diag_block_k))
     ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=l2)
     assert o.shape == ro.shape and o.dtype == v.dtype and s.dtype == F32
     assert rel(o, ro) < tol(dt), rel(o, ro)
@@ -223,28 +223,6 @@ def test_chunk_split_inverse(dt, lengths):
         assert rel(po, fo) < (1e-5 if dt == F32 else 1e-2), rel(po, fo)
 
 
-@pytest.mark.parametrize("dt,l2,groups,T,lengths", [
-    (F32, True, 2, 300, [300, 65]),              # two-level scan (out reads h by group)
-    (jnp.bfloat16, False, 1, 65, [1, 64]),
-])
-def test_chunk_gated_operands_exact(dt, l2, groups, T, lengths):
-    """The gated operands stored by the diagonal launch (ChunkConfig.gated_operands) are the
-    values wu and out form without the flag, rounded at the same points: identical results, with
-    one or two V tiles in out; NaN garbage past `lengths` reaches nothing."""
-    B, H, K = 2, 2, 32
-    q, k, v, g, beta, h0 = make(T + 3, B, T, H, K, K, dt, True, True, unit_qk=not l2)
-    lens = jnp.array(lengths, jnp.int32)
-    bad = garbage_past(lens, T)
-    run = lambda **kw: kda_chunk(*map(bad, (q, k, v, g, beta)), initial_state=h0, lengths=lens,
-                                 use_qk_l2norm=l2, backend="interpret",
-                                 config=ChunkConfig(scan_groups=groups, **kw))
-    o, s = run()
-    for kw in (dict(gated_operands=True), dict(gated_operands=True, block_v_out=16)):
-        go, gs = run(**kw)
-        assert jnp.array_equal(o, go) and jnp.array_equal(s, gs), kw
-    assert bool(jnp.isfinite(o.astype(F32)).all())
-
-
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
 def test_kda_kernels_lower_for_gpu(platform):
     """The chunk (plain and two-level scan), decode and verify kernels lower to Triton IR for an
@@ -259,8 +237,7 @@ def test_kda_kernels_lower_for_gpu(platform):
                                                      sd((B, H, K, K), F32))
     for cfg in (ChunkConfig(scan_groups=1), ChunkConfig(scan_groups=0),
                 ChunkConfig(split_inverse=False, diag_inverse="substitution"),
-                ChunkConfig(gated_operands=True), ChunkConfig(gated_operands=True, scan_groups=1,
-                                                              block_v_out=128),
+                ChunkConfig(scan_groups=1, block_v_out=64),
                 ChunkConfig(inverse_precision="ieee"), ChunkConfig(inverse_precision="tf32"),
                 ChunkConfig(diag_block_k=32)):
         lower_for_gpu(lambda q, k, v, g, b, s, cfg=cfg: kda_chunk_pallas(

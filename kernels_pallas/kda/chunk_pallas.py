@@ -7,10 +7,8 @@ Chunks of C = 64 tokens, sub-blocks of 16. Five launches, each small enough to s
      whose decay spans <= MATMUL_SPAN uses one matmul with G at its first row as reference (both
      factors stay in fp32 range); wider spans take the exact path, one exp per (row, column, key
      dim). `safe_gate=True` (the caller promises g >= -5 per token, K3's bounded gate) skips the
-     check. `ChunkConfig.gated_operands`: also the gated operands of launches 3 and 5 in the
-     operand dtype (scale Q exp G, beta K exp G, Kg = K exp(G_C - G), exp(G_C)), so that those
-     read neither q, k nor G. `ChunkConfig.diag_block_k`: the same launch in key tiles
-     (`_diag_kernel_tiled`, fewer registers).
+     check. `ChunkConfig.diag_block_k`: the same launch in key tiles (`_diag_kernel_tiled`,
+     fewer registers).
   2. `_inter_kernel`  (chunk, b, h): the off-diagonal 16x16 blocks (reference: the cumulative decay
      at the first row of the later block, so both factors are <= 1 for any gate), looping over key
      tiles; then T = (I + L)^-1 in fp32 (forward substitution on the diagonal blocks, block
@@ -19,8 +17,7 @@ Chunks of C = 64 tokens, sub-blocks of 16. Five launches, each small enough to s
      then `_inverse_kernel`), each with fewer live registers. `ChunkConfig.inverse_precision`:
      how the inverse's 16x16 products are computed (bf16x3 by default for bf16 operands).
   3. `_wu_kernel`     (chunk, b, h): W = T diag(beta) (K exp G), U = T diag(beta) V,
-     Kg = K exp(G_C - G), exp(G_C) (the last two from launch 1 with gated_operands): 64-row
-     matmuls.
+     Kg = K exp(G_C - G), exp(G_C): 64-row matmuls.
   4. `_state_kernel`  (b, h, V-tile), sequential over chunks with the fp32 state in registers:
      stores the state entering each chunk, V' = U - W S, and S <- exp(G_C) S + Kg^T V'.
      Two-level variant (ChunkConfig.scan_groups > 1, or 0 = `auto_scan_groups` by shape) for few
@@ -93,13 +90,6 @@ class ChunkConfig:
     # always take "ieee".
     # (H200, B8 T4096 H12, 4 warps: bf16x3 0.192 ms, tf32 0.168 ms; ieee at 8 warps 0.217)
     inverse_precision: str = "bf16x3"
-    # the diagonal launch also stores the gated operands, in the operand dtype: scale Q exp(G),
-    # beta K exp(G), Kg = K exp(G_C - G) and exp(G_C) (see `_diag_kernel`); wu then reads neither
-    # k nor G, out neither q, G nor rq, and out does no exps (fewer bytes moved; the fp32 G stays
-    # for the off-diagonal launch). Same values and rounding points as without. Off
-    # because measured slower overall (H200, B8 T4096 H12, 2026-12-01): wu 0.274 ->
-    # 0.132 ms and out 0.208 -> 0.145, but the diagonal launch 0.636 -> 1.72 ms.
-    gated_operands: bool = False
     # the diagonal launch in key tiles of this many columns (`_diag_kernel_tiled`); None: whole
     # rows (`_diag_kernel`). ncu (2026-12-01): the whole-row launch holds 243 registers (each
     # warp keeps its dots' full-width [16, 128] operands), so 2 blocks per SM, latency-bound;
@@ -161,10 +151,22 @@ def _gate_block(g_ref, rows, vm):
 # ----------------------------------------------------------------------------------------------
 # 1. diagonal 16x16 blocks
 # ----------------------------------------------------------------------------------------------
+def _exact_blocks(q, k, G, acc):
+    """acc + the diagonal block's Q K^T and K K^T (all columns; the caller masks the upper
+    triangle) over these key columns, one exp per (row, column, key): exp(min(G_r - G_j, 0)) is
+    exact for rows r >= j at any decay span. q, k, G [SB, X] fp32; acc: two [SB, SB]."""
+    ci = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 1)
+
+    def col(j, acc):
+        aq, ak = acc
+        kE = _row(k, j, SB)[None, :] * jnp.exp(jnp.minimum(G - _row(G, j, SB)[None, :], 0.0))
+        return (aq + jnp.where(ci == j, jnp.sum(q * kE, axis=1)[:, None], 0.0),
+                ak + jnp.where(ci == j, jnp.sum(k * kE, axis=1)[:, None], 0.0))
+    return jax.lax.fori_loop(0, SB, col, acc)
+
+
 def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_ref, rk_ref,
-                 *gated_refs, scale, l2norm, safe_gate, prec_mm):
-    """gated_refs (ChunkConfig.gated_operands): qg, kb, kg [C, K] in the operand dtype and ec [K]
-    receive scale Q exp(G), beta K exp(G), K exp(G_C - G) and exp(G_C)."""
+                 *, scale, l2norm, safe_gate, prec_mm):
     n = pl.program_id(0)
     length = len_ref[...]
     K = q_ref.shape[-1]
@@ -172,20 +174,6 @@ def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_
     ci = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 1)
     sub = lambda i: (slice(i * SB, (i + 1) * SB), _valid_rows(length, n * C + i * SB, SB))
     beta_of = lambda rows, valid: jnp.where(valid, b_ref[rows].astype(F32), 0.0)
-    if gated_refs:
-        # G_C first (g read twice, the second time from cache), so that Kg is stored per
-        # sub-block while its k and G are live; keeping all four sub-blocks' k and G to the end
-        # would cost ~128 more registers a thread. The same sums and last cumsum as the loop
-        # below (the first three cumsums are unused, dropped): G_C is the stored G[C - 1] bit
-        # for bit.
-        qg_ref, kb_ref, kg_ref, ec_ref = gated_refs
-        c = jnp.zeros((K,), F32)
-        for i in range(NSB):
-            rows, valid = sub(i)
-            g, cs = _gate_block(g_ref, rows, valid[:, None])
-            G, c = cs + c[None, :], c + jnp.sum(g, axis=0)
-        GC = _row(G, SB - 1, SB)
-        ec_ref[...] = jnp.exp(GC)
     carry = jnp.zeros((K,), F32)
     for i in range(NSB):
         rows, valid = sub(i)
@@ -208,14 +196,6 @@ def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_
             rq = rk = jnp.ones((SB,), F32)
         rq_ref[rows] = rq
         rk_ref[rows] = rk
-        if gated_refs:
-            # here rather than after the blocks below, beta loaded once: Triton 3.6 then compiles
-            # the launch to 255 registers and no spill on sm_90 (4 warps; stored after the
-            # blocks: a 64-byte spill; with safe_gate=True: a 24-byte spill)
-            qg_ref[rows, :] = _gate_q(q, G, scale).astype(qg_ref.dtype)
-            beta = beta_of(rows, valid)
-            kb_ref[rows, :] = _gate_w(k, G, beta).astype(kb_ref.dtype)
-            kg_ref[rows, :] = _gate_kg(k, G, GC).astype(kg_ref.dtype)
 
         def by_matmul(_, q=q, k=k, G=G, G0=G0):
             # exp(G_r - G_j) = exp(G_r - G_0) exp(G_0 - G_j): within fp32 range while the
@@ -226,23 +206,15 @@ def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_
                     _dot(k * eq, ek, prec_mm, trans_b=True))
 
         def exact(_, q=q, k=k, G=G):
-            def col(j, acc):
-                aq, ak = acc
-                E = jnp.exp(jnp.minimum(G - _row(G, j, SB)[None, :], 0.0))  # rows >= j: exact
-                kE = _row(k, j, SB)[None, :] * E
-                aq = jnp.where(ci == j, jnp.sum(q * kE, axis=1)[:, None], aq)
-                ak = jnp.where(ci == j, jnp.sum(k * kE, axis=1)[:, None], ak)
-                return aq, ak
             z = jnp.zeros((SB, SB), F32)
-            return jax.lax.fori_loop(0, SB, col, (z, z))
+            return _exact_blocks(q, k, G, (z, z))
 
         if safe_gate:
             aq, ak = by_matmul(None)
         else:
             span = jnp.max(G0 - carry)                 # carry is now G at the block's last row
             aq, ak = jax.lax.cond(span <= MATMUL_SPAN, by_matmul, exact, None)
-        if not gated_refs:  # here, as before the flag: the default kernel's IR is unchanged
-            beta = beta_of(rows, valid)
+        beta = beta_of(rows, valid)
         aq_ref[rows, :] = jnp.where(ri >= ci, aq * scale, 0.0)
         ak_ref[rows, :] = jnp.where(ri > ci, ak * beta[:, None], 0.0)
 
@@ -304,15 +276,7 @@ def _diag_kernel_tiled(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_re
                     G = cs + before[t][None, :]
                     q = jnp.where(vm, q_ref[rows, cols].astype(F32), 0.0) * rq[:, None]
                     k = jnp.where(vm, k_ref[rows, cols].astype(F32), 0.0) * rk[:, None]
-
-                    def col(j, acc, q=q, k=k, G=G):
-                        aq_, ak_ = acc
-                        E = jnp.exp(jnp.minimum(G - _row(G, j, SB)[None, :], 0.0))
-                        kE = _row(k, j, SB)[None, :] * E
-                        aq_ = aq_ + jnp.where(ci == j, jnp.sum(q * kE, axis=1)[:, None], 0.0)
-                        ak_ = ak_ + jnp.where(ci == j, jnp.sum(k * kE, axis=1)[:, None], 0.0)
-                        return aq_, ak_
-                    acc = jax.lax.fori_loop(0, SB, col, acc)
+                    acc = _exact_blocks(q, k, G, acc)
                 return acc
             aq, ak = jax.lax.cond(span <= MATMUL_SPAN, lambda _, a=(aq, ak): a, exact, None)
         beta = jnp.where(valid, b_ref[rows].astype(F32), 0.0)
@@ -470,33 +434,24 @@ def _inverse_kernel(l_ref, akd_ref, t_ref, *, diag_inverse, inv_prec):
 # ----------------------------------------------------------------------------------------------
 # 3. W, U, Kg, exp(G_C)
 # ----------------------------------------------------------------------------------------------
-def _wu_kernel(*refs, gated, op_dtype, prec_mm):
-    """W = T (beta K exp G), U = T (beta V). `gated`: refs = (len, kb, v, beta, T, w, u), W's
-    operand stored by the diagonal launch; else refs = (len, k, v, G, beta, rk, T, w, u, kg, ec)
-    and W's operand, Kg and exp(G_C) are formed here."""
-    if gated:
-        len_ref, kb_ref, v_ref, b_ref, t_ref, w_ref, u_ref = refs
-    else:
-        len_ref, k_ref, v_ref, G_ref, b_ref, rk_ref, t_ref, w_ref, u_ref, kg_ref, ec_ref = refs
+def _wu_kernel(len_ref, k_ref, v_ref, G_ref, b_ref, rk_ref, t_ref, w_ref, u_ref, kg_ref, ec_ref, *,
+               op_dtype, prec_mm):
+    """W = T (beta K exp G), U = T (beta V), Kg = K exp(G_C - G), exp(G_C)."""
     n = pl.program_id(0)
     valid = _valid_rows(len_ref[...], n * C, C)
     K, V = w_ref.shape[-1], v_ref.shape[-1]
     T = t_ref[...]
     beta = jnp.where(valid, b_ref[...].astype(F32), 0.0)
-    rk = None if gated else rk_ref[...]
+    rk = rk_ref[...]
     tile = 64
     for ct in range(max(K // tile, 1)):
         cols = slice(ct * tile, min((ct + 1) * tile, K))
-        if gated:
-            w_ref[:, cols] = _dot(T, kb_ref[:, cols], prec_mm).astype(w_ref.dtype)
-        else:
-            k = _masked(k_ref, slice(None), cols, valid, rk)
-            G = G_ref[:, cols]
-            GC = _row(G, C - 1, C)                    # decay to the chunk's end (g masked: flat)
-            w_ref[:, cols] = _dot(T, _gate_w(k, G, beta).astype(op_dtype),
-                                  prec_mm).astype(w_ref.dtype)
-            kg_ref[:, cols] = _gate_kg(k, G, GC).astype(kg_ref.dtype)
-            ec_ref[cols] = jnp.exp(GC)
+        k = _masked(k_ref, slice(None), cols, valid, rk)
+        G = G_ref[:, cols]
+        GC = _row(G, C - 1, C)                        # decay to the chunk's end (g masked: flat)
+        w_ref[:, cols] = _dot(T, _gate_w(k, G, beta).astype(op_dtype), prec_mm).astype(w_ref.dtype)
+        kg_ref[:, cols] = _gate_kg(k, G, GC).astype(kg_ref.dtype)
+        ec_ref[cols] = jnp.exp(GC)
     for ct in range(max(V // tile, 1)):
         cols = slice(ct * tile, min((ct + 1) * tile, V))
         v = _masked(v_ref, slice(None), cols, valid)
@@ -544,18 +499,12 @@ def _state_kernel(*refs, n_chunks, transition, store, op_dtype, prec_mm):
 # ----------------------------------------------------------------------------------------------
 # 5. output
 # ----------------------------------------------------------------------------------------------
-def _out_kernel(len_ref, *refs, gated, scale, op_dtype, prec_mm):
-    """`gated`: refs = (qg, A, h, vn, o), scale Q exp(G) stored by the diagonal launch; else
-    refs = (q, G, rq, A, h, vn, o) and it is formed here."""
+def _out_kernel(len_ref, q_ref, G_ref, rq_ref, a_ref, h_ref, vn_ref, o_ref, *, scale, op_dtype,
+                prec_mm):
     n = pl.program_id(0)
     valid = _valid_rows(len_ref[...], n * C, C)
-    if gated:
-        qg_ref, a_ref, h_ref, vn_ref, o_ref = refs
-        qg = qg_ref[...]
-    else:
-        q_ref, G_ref, rq_ref, a_ref, h_ref, vn_ref, o_ref = refs
-        q = _masked(q_ref, slice(None), slice(None), valid, rq_ref[...])
-        qg = _gate_q(q, G_ref[...], scale).astype(op_dtype)
+    q = _masked(q_ref, slice(None), slice(None), valid, rq_ref[...])
+    qg = _gate_q(q, G_ref[...], scale).astype(op_dtype)
     o = _dot(qg, h_ref[...], prec_mm) + _dot(a_ref[...], vn_ref[...], prec_mm)
     o_ref[...] = jnp.where(valid[:, None], o, 0.0).astype(o_ref.dtype)
 
@@ -575,21 +524,16 @@ def _pick_block_v(B, H, V, n_sm=None):
 
 def _launch_diag(lens, q, k, g, beta, *, scale, l2norm, safe_gate, op_dtype, prec_mm, cfg,
                  interpret):
-    """-> G, Aqk and L diagonal blocks, rq, rk; with cfg.gated_operands also qg, kb, kg
-    [B, H, Tp, K] (operand dtype) and ec [B, H, N, K]."""
+    """-> G, Aqk and L diagonal blocks, rq, rk."""
     B, Tp, H, K = q.shape
     tok, per, vec, beta_spec, length = _chunk_specs()
     sds = jax.ShapeDtypeStruct
     out_specs = [tok(K), per(SB), per(SB), vec, vec]
     out_shape = [sds((B, Tp, H, K), F32), sds((B, H, Tp, SB), F32), sds((B, H, Tp, SB), F32),
                  sds((B, H, Tp), F32), sds((B, H, Tp), F32)]
-    if cfg.gated_operands:
-        out_specs += [per(K)] * 3 + [_chunk_row_spec(K)]
-        out_shape += [sds((B, H, Tp, K), op_dtype)] * 3 + [sds((B, H, Tp // C, K), F32)]
     if cfg.diag_block_k is not None:
-        if cfg.gated_operands or K % cfg.diag_block_k or cfg.diag_block_k < 16:
-            raise ValueError(f"diag_block_k={cfg.diag_block_k}: a divisor of K={K}, >= 16, "
-                             "without gated_operands")
+        if K % cfg.diag_block_k or cfg.diag_block_k < 16:
+            raise ValueError(f"diag_block_k={cfg.diag_block_k}: must divide K={K} and be >= 16")
         kernel = functools.partial(_diag_kernel_tiled, block_k=cfg.diag_block_k)
     else:
         kernel = _diag_kernel
@@ -675,31 +619,22 @@ def _inverse_precision(cfg, op_dtype):
     return "ieee" if op_dtype == F32 else cfg.inverse_precision
 
 
-def _launch_wu(lens, v, beta, Tinv, *k_ops, op_dtype, prec_mm, cfg, interpret):
-    """k_ops: (kb,) [B, H, Tp, K] with cfg.gated_operands -> (w, u); else (k, G, rk) ->
-    (w, u, kg, ec)."""
+def _launch_wu(lens, v, beta, Tinv, k, G, rk, *, op_dtype, prec_mm, cfg, interpret):
+    """-> w, u, kg [B, H, Tp, .] (operand dtype) and ec [B, H, N, K]."""
     B, Tp, H, V = v.shape
-    K, N = k_ops[0].shape[-1], Tp // C
+    K, N = k.shape[-1], Tp // C
     tok, per, vec, beta_spec, length = _chunk_specs()
     sds = jax.ShapeDtypeStruct
-    out_specs = [per(K), per(V)]
-    out_shape = [sds((B, H, Tp, K), op_dtype), sds((B, H, Tp, V), op_dtype)]
-    if cfg.gated_operands:
-        (kb,) = k_ops
-        in_specs, args = [length, per(K), tok(V), beta_spec, per(C)], (lens, kb, v, beta, Tinv)
-    else:
-        k, G, rk = k_ops
-        in_specs = [length, tok(K), tok(V), tok(K), beta_spec, vec, per(C)]
-        args = (lens, k, v, G, beta, rk, Tinv)
-        out_specs += [per(K), _chunk_row_spec(K)]
-        out_shape += [sds((B, H, Tp, K), op_dtype), sds((B, H, N, K), F32)]
     return pl.pallas_call(
-        functools.partial(_wu_kernel, gated=cfg.gated_operands, op_dtype=op_dtype,
-                          prec_mm=prec_mm),
-        grid=(N, B, H), in_specs=in_specs, out_specs=out_specs, out_shape=tuple(out_shape),
+        functools.partial(_wu_kernel, op_dtype=op_dtype, prec_mm=prec_mm),
+        grid=(N, B, H),
+        in_specs=[length, tok(K), tok(V), tok(K), beta_spec, vec, per(C)],
+        out_specs=[per(K), per(V), per(K), _chunk_row_spec(K)],
+        out_shape=(sds((B, H, Tp, K), op_dtype), sds((B, H, Tp, V), op_dtype),
+                   sds((B, H, Tp, K), op_dtype), sds((B, H, N, K), F32)),
         compiler_params=triton_params(num_warps=cfg.num_warps_wu, num_stages=1),
         interpret=interpret, name="kda_chunk_wu",
-    )(*args)
+    )(lens, k, v, G, beta, rk, Tinv)
 
 
 def _launch_state(w, u, kg, ec, h0, *, groups=1, transition=False, store=True, op_dtype,
@@ -765,23 +700,20 @@ def auto_scan_groups(B, H, V, n_chunks, n_sm=None, min_chunks=8):
     return groups
 
 
-def _launch_out(lens, A, h, vn, *q_ops, groups, scale, out_dtype, op_dtype, prec_mm, cfg,
+def _launch_out(lens, A, h, vn, q, G, rq, *, groups, scale, out_dtype, op_dtype, prec_mm, cfg,
                 interpret):
-    """h, vn come from the scan in its layout: [B * groups, H, chunks per group * (K | C), V].
-    q_ops: (qg,) [B, H, Tp, K] with cfg.gated_operands, else (q, G, rq)."""
+    """h, vn come from the scan in its layout: [B * groups, H, chunks per group * (K | C), V]."""
     B, H, Tp, _ = A.shape
-    K, V, N = q_ops[0].shape[-1], vn.shape[-1], Tp // C
+    K, V, N = q.shape[-1], vn.shape[-1], Tp // C
     per = N // groups
     hist = lambda n, b, h, j: (b * groups + n // per, h, n % per, j)
     bvo = min(cfg.block_v_out, V)
     spec = lambda shape, idx: pl.BlockSpec(shape, idx)
     chunk = lambda X: spec((None, None, C, X), lambda n, b, h, j: (b, h, n, 0))
     tok = spec((None, C, None, K), lambda n, b, h, j: (b, n, h, 0))
-    q_specs = ([chunk(K)] if cfg.gated_operands else
-               [tok, tok, spec((None, None, C), lambda n, b, h, j: (b, h, n))])
+    q_specs = [tok, tok, spec((None, None, C), lambda n, b, h, j: (b, h, n))]
     return pl.pallas_call(
-        functools.partial(_out_kernel, gated=cfg.gated_operands, scale=scale, op_dtype=op_dtype,
-                          prec_mm=prec_mm),
+        functools.partial(_out_kernel, scale=scale, op_dtype=op_dtype, prec_mm=prec_mm),
         grid=(N, B, H, V // bvo),
         in_specs=[spec((None,), lambda n, b, h, j: (b,))] + q_specs + [
             chunk(C), spec((None, None, K, bvo), hist), spec((None, None, C, bvo), hist)],
@@ -789,7 +721,7 @@ def _launch_out(lens, A, h, vn, *q_ops, groups, scale, out_dtype, op_dtype, prec
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype),
         compiler_params=triton_params(num_warps=cfg.num_warps_out, num_stages=2),
         interpret=interpret, name="kda_chunk_out",
-    )(lens, *q_ops, A, h, vn)
+    )(lens, q, G, rq, A, h, vn)
 
 
 def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=None,
@@ -836,7 +768,7 @@ def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=No
 
     j = lambda f, **kw: jax.jit(functools.partial(f, **kw))
     q, k, v, g, beta = run("pad", jax.jit(prepare), q, k, v, g, beta)
-    G, aqd, akd, rq, rk, *gated = run("diag", j(_launch_diag, scale=scale, l2norm=use_qk_l2norm,
+    G, aqd, akd, rq, rk = run("diag", j(_launch_diag, scale=scale, l2norm=use_qk_l2norm,
                                                 safe_gate=safe_gate, op_dtype=op_dtype, **common),
                                       lens, q, k, g, beta)
     if cfg.split_inverse:  # off-diagonal blocks, then the inverse, as two launches
@@ -847,12 +779,8 @@ def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=No
     else:
         A, Tinv = run("inter", j(_launch_inter, scale=scale, op_dtype=op_dtype, **common),
                       lens, q, k, G, beta, rq, rk, aqd, akd)
-    wu = j(_launch_wu, op_dtype=op_dtype, **common)
-    if cfg.gated_operands:  # W's operand, Kg and exp(G_C) come from the diagonal launch
-        qg, kb, kg, ec = gated
-        w, u = run("wu", wu, lens, v, beta, Tinv, kb)
-    else:
-        w, u, kg, ec = run("wu", wu, lens, v, beta, Tinv, k, G, rk)
+    w, u, kg, ec = run("wu", j(_launch_wu, op_dtype=op_dtype, **common),
+                       lens, v, beta, Tinv, k, G, rk)
     state = lambda **kw: j(_launch_state, op_dtype=op_dtype, groups=groups, **kw, **common)
     if groups == 1:
         h, vn, ht = run("state", state(), w, u, kg, ec, h0)
@@ -865,7 +793,7 @@ def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=No
         h, vn, _ = run("state_replay", state(), w, u, kg, ec, starts)
     o = run("out", j(_launch_out, groups=groups, scale=scale, out_dtype=out_dtype,
                      op_dtype=op_dtype, **common), lens, A, h, vn,
-            *((qg,) if cfg.gated_operands else (q, G, rq)))
+            q, G, rq)
     if Tp != T:
         o = o[:, :T]
     return stages, (o, ht)
