@@ -110,6 +110,9 @@ def correctness():
         (2, 257, 3, 128, F32, False, False, [257, 65]),
         (1, 4096, 2, 64, BF16, False, False, None),
     ] if not SMOKE else [(2, 100, 1, 32, BF16, True, True, [100, 33])]
+    pick = os.environ.get("BENCH_CHECK_CASES")  # e.g. "0,2": only these cases (compile time)
+    if pick:
+        cases = [cases[int(i)] for i in pick.split(",")]
     ref = jax.jit(kda_chunk_reference, static_argnames=("use_qk_l2norm",))
     cfgs = chunk_configs()
     for (B, T, H, K, dt, bounded, safe, lens) in cases:
@@ -194,14 +197,16 @@ def fla():
 
 
 def overrides(item: str) -> dict:
-    """"a=1,b=x" -> {"a": 1, "b": "x"} (integers where they parse as such)."""
+    """"a=1,b=x,c=None" -> {"a": 1, "b": "x", "c": None} (integers where they parse as such;
+    "None" for fields whose None means something, e.g. diag_block_k=None: whole rows)."""
     kv = dict(pair.split("=") for pair in item.split(","))
-    return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in kv.items()}
+    return {k: int(v) if v.lstrip("-").isdigit() else None if v.lower() == "none" else v
+            for k, v in kv.items()}
 
 
 def chunk_configs():
     """BENCH_CHUNK_CONFIGS: ';'-separated ChunkConfig overrides, e.g.
-    "block_k_inter=64,num_warps_inter=8;diag_block_k=32" (the default config
+    "block_k_inter=64,num_warps_inter=8;diag_block_k=None" (the default config
     always runs first, as cfg0; values that are not integers are passed as strings; bool fields
     take 0/1 or false/true). Every config is checked against the reference (correctness) and
     timed (prefill)."""

@@ -32,20 +32,20 @@ layer_gmm,layer):
            w1 | w3 untiled), down (K 3072, N 3584) and one TP8 rank's down slice down_tp8 (K 384,
            N 3584); MXFP4 and bf16, ours with the config moe_gmm picks itself (default_config,
            printed per row) vs torch._grouped_mm on the dequantised bf16 weights; gate_up also as
-           the layer runs it, fused on the two halves (moe_gmm_glu, SiTU: rows glu_*, checked
-           against the SiTU of torch's two halves). Times: GPU kernel time from the profiler
+           the fused kernel on the two halves (moe_gmm_glu(fuse=True), SiTU: rows glu_*, checked
+           against the SiTU of torch's two halves; the layer's default is the unfused form). Times: GPU kernel time from the profiler
            (benchmarks/kernel_timer.py) for ours (every kernel of the call; moe_gmm's own listed
            too) and torch.
   layer    (opt-in) the full MoE layer, kimik3.layers.moe.moe_apply (router, sort / permute,
-           fused gate/up + down grouped matmuls, weighted combine, latent down/up-projection +
+           gate/up (two products, SiTU after) + down grouped matmuls, weighted combine, latent down/up-projection +
            RMSNorm, 2 shared experts) at K3 dims (hidden 7168) under jax.jit at BENCH_LAYER_TOKENS
            (default 64,512,8192), MXFP4 experts then their exact bf16 dequantisation
            (BENCH_LAYER_FORMATS, default mxfp4,bf16): GPU kernel sum, kernel span, wall clock,
            the moe_gmm kernels' share. Each case is first checked on 4 of its tokens against
            `layer_reference` (per token: its 16 experts gathered and dequantised, fp32 products;
-           no sort, no Pallas) and against the other format's output. BENCH_LAYER_GLU=fused,unfused
-           also times the layer with gate/up as two products and the activation after
-           (moe_apply(fuse_glu=False)).
+           no sort, no Pallas) and against the other format's output. BENCH_LAYER_GLU=unfused,fused
+           also times the layer with gate/up and the activation in one kernel
+           (moe_apply(fuse_glu=True)); the layer's default is unfused.
   The whole set, with the ceilings and the TP8 fused gate/up, in one device call (about 180-240 s
   with compiles, estimated: ~24 kernel compiles + 33 profiler traces in layer_gmm, 6 layer
   compiles; peak JAX memory ~75 GB, the layer's bf16 experts (59 GB) with their MXFP4 source
@@ -421,7 +421,7 @@ def dense_correctness(run, backend):
         for act in ("swiglu", "situ"):
             w3 = random_mxfp4(jax.random.key(9), g, n, k)
             try:
-                y = moe_gmm_glu(x, wq, w3, gs, activation=act, backend=backend,
+                y = moe_gmm_glu(x, wq, w3, gs, activation=act, backend=backend, fuse=True,
                                 config=C(64, 64, 64, block_m_small=16, dequant="split_asm_sub"))
                 r = moe_gmm_glu(x, wq, w3, gs, activation=act, backend="reference")
                 e = rel(y, r)
@@ -522,7 +522,7 @@ def time_ours(x, w, gs, cfg, backend, cpu, flop, wbytes, copy, y_peer, exact=Non
 
 # ---- sections layer_gmm and layer: the whole layer's grouped matmuls, the full MoE layer ----
 # (K, N) as moe_gmm sees them. "gate_up": w1 | w3 of the whole layer as one N = 2 x 3072 matmul (the
-# layer itself runs the two halves fused, moe_gmm_glu: the "glu" rows); "down": w2; "down_tp8": one
+# layer runs the two halves as two products; the fused kernel on them: the "glu" rows); "down": w2; "down_tp8": one
 # TP8 rank's slice of w2 (K = 3072 / 8). The TP8 gate+up slice (N = 768) is sections decode/prefill.
 LAYER_GMM_SHAPES = {"gate_up": (3584, 6144), "down": (3072, 3584), "down_tp8": (384, 3584)}
 SMOKE_LAYER_GMM_SHAPES = {"gate_up": (128, 256), "down": (128, 128), "down_tp8": (32, 128)}
@@ -554,7 +554,8 @@ def layer_cases(G=896, topk=16, tokens=(64, 512, 8192)):
                 cfg = default_config(t * topk, G, K, h, quant, True, platform="cuda")
                 out.append((f"gate_up glu {kind} tokens {t} {cfg.name()}",
                             lambda a, b, c, d, cfg=cfg: moe_gmm_glu(
-                                a, b, c, d, activation=GLU_ACT, backend="pallas", config=cfg),
+                                a, b, c, d, activation=GLU_ACT, backend="pallas", config=cfg,
+                                fuse=True),
                             (x, w, w, gs)))
     return out
 
@@ -751,7 +752,7 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
                  peers.get(t))
             if fused:
                 ours(t, "glu_mxfp4", lambda a, b1, b3, g: moe_gmm_glu(
-                    a, b1, b3, g, activation=GLU_ACT, backend=backend),
+                    a, b1, b3, g, activation=GLU_ACT, backend=backend, fuse=True),
                     (c["x"], halves[0], halves[1], c["gs"]),
                     default_config(m, G, K, N // 2, True, True, platform=plat), glu_ref(t), 2e-2)
         # 3. ours, bf16 [G, K, N] (gate_up: then the halves, fused)
@@ -767,7 +768,7 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
             h_kn = [dequant_device(h, "kn") for h in halves]
             for t, c in cases.items():
                 ours(t, "glu_bf16", lambda a, b1, b3, g: moe_gmm_glu(
-                    a, b1, b3, g, activation=GLU_ACT, backend=backend),
+                    a, b1, b3, g, activation=GLU_ACT, backend=backend, fuse=True),
                     (c["x"], h_kn[0], h_kn[1], c["gs"]),
                     default_config(t * TOPK, G, K, N // 2, False, True, platform=plat),
                     glu_ref(t), 2e-2)
@@ -863,13 +864,14 @@ def layer_counts(cfg, tokens, experts_hit, fmt):
     return flop, dense_elems * 2 + experts_hit * per_expert
 
 
-def layer_section(run, ctx, token_list, formats, table, glu_modes=("fused",)):
-    """The full MoE layer (kimik3.layers.moe.moe_apply: router, sort, fused gate/up + down grouped
+def layer_section(run, ctx, token_list, formats, table, glu_modes=("unfused",)):
+    """The full MoE layer (kimik3.layers.moe.moe_apply: router, sort, gate/up + down grouped
     matmuls, combine, latent down/up + norm, shared experts) at K3 dims on one device, under
     jax.jit, MXFP4 experts then their exact bf16 dequantisation (dense experts). Each case is first
     checked against `layer_reference` on a few of its tokens, then timed: the GPU kernels' sum,
-    their span, the wall clock; the moe_gmm kernels' share. glu_modes: "fused" (one gate/up +
-    activation kernel, the layer's default) and/or "unfused" (moe_apply(fuse_glu=False))."""
+    their span, the wall clock; the moe_gmm kernels' share. glu_modes: "unfused" (gate/up as two
+    products, the activation after: the layer's default) and/or "fused" (one gate/up +
+    activation kernel, moe_apply(fuse_glu=True))."""
     from kimik3.config import Config
     from kimik3.layers.moe import MoE, moe_apply, route
     cpu, backend, ceil = ctx["cpu"], ctx["backend"], ctx["ceil"]
@@ -914,7 +916,7 @@ def layer_section(run, ctx, token_list, formats, table, glu_modes=("fused",)):
             del ex, dense
         cfg_f = cfg.replace(expert_format="dense" if fmt == "bf16" else "mxfp4")
         for fused, t in [(g == "fused", t) for t in token_list for g in glu_modes]:
-            name = fmt if fused else f"{fmt}+unfused_glu"
+            name = f"{fmt}+fused_glu" if fused else fmt
             f = jax.jit(lambda p_, x_, c=cfg_f, fu=fused: moe_apply(c, p_, x_, backend,
                                                                     fuse_glu=fu))
             label = f"layer {name} {t}"
@@ -959,8 +961,8 @@ def layer_section(run, ctx, token_list, formats, table, glu_modes=("fused",)):
 
 
 def _layer_glu_modes():
-    """BENCH_LAYER_GLU: comma-separated "fused" / "unfused" (default fused)."""
-    modes = tuple(os.environ.get("BENCH_LAYER_GLU", "fused").split(","))
+    """BENCH_LAYER_GLU: comma-separated "unfused" / "fused" (default unfused, the layer's)."""
+    modes = tuple(os.environ.get("BENCH_LAYER_GLU", "unfused").split(","))
     bad = [m for m in modes if m not in ("fused", "unfused")]
     if bad:
         raise SystemExit(f"BENCH_LAYER_GLU: {bad} not among fused, unfused")
@@ -1102,7 +1104,7 @@ def run_bench(args):
             x = jax.random.normal(jax.random.key(tokens + 1), (m, K), jnp.bfloat16)
             try:
                 f = jax.jit(lambda a, c: moe_gmm_glu(a, w1, w3, c, activation="situ",
-                                                     backend=backend))
+                                                     backend=backend, fuse=True))
                 ms = wall(lambda: f(x, gs))
                 cfg = default_config(m, G, K, N // 2, True, True)
                 run.res["glu"][str(tokens)] = {"ms": ms, "TFLOPs": 2 * m * K * N / ms / 1e9,

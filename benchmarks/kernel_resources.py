@@ -83,18 +83,27 @@ def _compile(ttir: str, target: str, num_warps: int, num_stages: int):
 
 def kda_kernels():
     """(name, fn, args, [(num_warps, num_stages) per pallas_call]) at one TP8 rank's K3 shapes."""
-    from kernels_pallas.kda.chunk_pallas import ChunkConfig, kda_chunk_pallas
+    from kernels_pallas.kda.chunk_pallas import ChunkConfig, kda_chunk_pallas, resolve_config
     from kernels_pallas.kda.decode import kda_decode_pallas
     from kernels_pallas.kda.verify import kda_verify_pallas
 
     B, T, H, K = 8, 4096, 12, 128
-    cfg = ChunkConfig(split_inverse=False, num_warps_inter=2, diag_inverse="substitution")
     chunk_args = (SD((B, T, H, K), jnp.bfloat16),) * 3 + (
         SD((B, T, H, K), jnp.float32), SD((B, T, H), jnp.bfloat16), SD((B, H, K, K), jnp.float32))
-    chunk = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
-                                                      use_qk_l2norm=True, config=cfg)
-    launches = [(cfg.num_warps_diag, 1), (cfg.num_warps_inter, 1), (cfg.num_warps_wu, 1),
-                (cfg.num_warps_state, cfg.num_stages_state), (cfg.num_warps_out, 2)]
+
+    def chunk(cfg):  # safe_gate: as the K3 layer calls it (bounded gate)
+        cfg = resolve_config(cfg, K, K)
+        fn = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
+                                                       use_qk_l2norm=True, config=cfg,
+                                                       safe_gate=True)
+        inter = ([(cfg.num_warps_inter, cfg.num_stages_inter), (cfg.num_warps_inverse, 1)]
+                 if cfg.split_inverse else [(cfg.num_warps_inter, cfg.num_stages_inter)])
+        launches = ([(cfg.num_warps_diag, cfg.num_stages_diag)] + inter
+                    + [(cfg.num_warps_wu, cfg.num_stages_wu),
+                       (cfg.num_warps_state, cfg.num_stages_state),
+                       (cfg.num_warps_out, cfg.num_stages_out)])
+        return fn, chunk_args, launches
+
     P, Bd = H * K, 64
     dec_args = [SD((Bd, 3 * P), jnp.bfloat16), SD((Bd, 3, 3 * P), jnp.bfloat16),
                 SD((3 * P, 4), jnp.float32), SD((Bd, P), jnp.bfloat16), SD((H,), jnp.float32),
@@ -104,22 +113,15 @@ def kda_kernels():
     ver_args = (SD((1, 4, H, K), jnp.bfloat16),) * 3 + (
         SD((1, 4, H, K), jnp.float32), SD((1, 4, H), jnp.bfloat16), SD((1, H, K, K), jnp.float32))
     ver = lambda q, k, v, g, b, s: kda_verify_pallas(q, k, v, g, b, s, use_qk_l2norm=True)
-    split = ChunkConfig()     # the default since 2026-11-30: split launch 2, product inverse
-    # safe_gate: as the K3 layer calls it (bounded gate)
-    chunk_split = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
-                                                            use_qk_l2norm=True, config=split,
-                                                            safe_gate=True)
-    launches_split = launches[:1] + [(split.num_warps_inter, 1), (split.num_warps_inverse, 1)] + launches[2:]
-    tiled = ChunkConfig(diag_block_k=32)  # the key-tiled diagonal launch (not yet timed)
-    chunk_tiled = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
-                                                            use_qk_l2norm=True, config=tiled,
-                                                            safe_gate=True)
-    return [("kda_chunk fused launch 2 (the layout before 11-30; today's other defaults) "
-             "[diag, inter, wu, state, out]", chunk, chunk_args, launches),
-            ("kda_chunk default, safe_gate [diag, offdiag, inverse, wu, state, out]",
-             chunk_split, chunk_args, launches_split),
-            ("kda_chunk diag_block_k=32, safe_gate [diag, offdiag, inverse, wu, state, out]",
-             chunk_tiled, chunk_args, launches_split),
+    # the unrolled key-tile loops and split launch 2 (the default until 2026-12-01's pipelining)
+    unrolled = ChunkConfig(diag_block_k=None, num_stages_diag=1, split_inverse=True,
+                           num_stages_inter=1, num_stages_wu=1, block_k_out=None)
+
+    def label(name, cfg):
+        two = "offdiag, inverse" if cfg.split_inverse else "inter"
+        return f"kda_chunk {name} [diag, {two}, wu, state, out]"
+    return [(label("default", ChunkConfig()), *chunk(ChunkConfig())),
+            (label("unrolled (before 12-01 pm)", unrolled), *chunk(unrolled)),
             ("kda_decode B64 H12", dec, dec_args, [(4, 1)]),
             ("kda_verify B1 T4 H12", ver, ver_args, [(2, 1)])]
 

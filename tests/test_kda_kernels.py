@@ -65,15 +65,23 @@ CHUNK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("diag_block_k", [None, 16], ids=["whole_rows", "key_tiled_diag"])
+# every key-tile loop unrolled (whole-row diagonal), and every one a device loop over several
+# tiles (the default's pipelined form, with tiles narrower than these tests' heads)
+UNROLLED = dict(diag_block_k=None, num_stages_inter=1, num_stages_wu=1, block_k_out=None,
+                split_inverse=True)
+DEVICE_LOOPS = dict(diag_block_k=16, num_stages_diag=2, num_stages_inter=2, num_stages_wu=2,
+                    block_wu=16, block_k_out=16, block_k_inter=16)
+
+
+@pytest.mark.parametrize("loops", [UNROLLED, DEVICE_LOOPS], ids=["unrolled", "device_loops"])
 @pytest.mark.parametrize("B,T,H,K,lengths,dt,bounded,nz,safe,l2", CHUNK_CASES)
-def test_chunk_vs_reference(B, T, H, K, lengths, dt, bounded, nz, safe, l2, diag_block_k):
+def test_chunk_vs_reference(B, T, H, K, lengths, dt, bounded, nz, safe, l2, loops):
     q, k, v, g, beta, h0 = make(T + K, B, T, H, K, K, dt, bounded, nz, unit_qk=not l2)
     lens = None if lengths is None else jnp.array(lengths, jnp.int32)
     bad = garbage_past(lens, T)
     o, s = kda_chunk(bad(q), bad(k), bad(v), bad(g), bad(beta), initial_state=h0, lengths=lens,
                      use_qk_l2norm=l2, safe_gate=safe, backend="interpret",
-                     config=ChunkConfig(diag_block_k=diag_block_k))
+                     config=ChunkConfig(**loops))
     ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=l2)
     assert o.shape == ro.shape and o.dtype == v.dtype and s.dtype == F32
     assert rel(o, ro) < tol(dt), rel(o, ro)
@@ -214,8 +222,9 @@ def test_chunk_split_inverse(dt, lengths):
     assert jnp.array_equal(o, fo) and jnp.array_equal(s, fs)
     ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=True)
     assert rel(o, ro) < tol(dt) and rel(s, rs) < tol(dt), (rel(o, ro), rel(s, rs))
-    for cfg in (ChunkConfig(split_inverse=False, diag_inverse="product"), ChunkConfig(),
-                ChunkConfig(inverse_precision="ieee", num_warps_inverse=8),
+    for cfg in (ChunkConfig(split_inverse=True), ChunkConfig(),
+                ChunkConfig(split_inverse=True, inverse_precision="ieee", num_warps_inverse=8),
+                ChunkConfig(split_inverse=True, inverse_precision="tf32"),
                 ChunkConfig(inverse_precision="tf32")):
         po, ps = run(cfg)  # the product form of the diagonal blocks' inverse; its precisions
         # (bf16 operands; fp32 ones always take "ieee". The interpreter computes "tf32" in fp32.)
@@ -239,7 +248,8 @@ def test_kda_kernels_lower_for_gpu(platform):
                 ChunkConfig(split_inverse=False, diag_inverse="substitution"),
                 ChunkConfig(scan_groups=1, block_v_out=64),
                 ChunkConfig(inverse_precision="ieee"), ChunkConfig(inverse_precision="tf32"),
-                ChunkConfig(diag_block_k=32)):
+                ChunkConfig(**UNROLLED), ChunkConfig(**DEVICE_LOOPS),
+                ChunkConfig(split_inverse=True), ChunkConfig(num_stages_inter=1)):
         lower_for_gpu(lambda q, k, v, g, b, s, cfg=cfg: kda_chunk_pallas(
             q, k, v, g, b, initial_state=s, use_qk_l2norm=True, config=cfg), *args, platform=platform)
     P = H * K
@@ -302,12 +312,15 @@ def test_chunk_diag_block_k(dt, bounded, safe, l2, lengths, gscale):
     run = lambda **kw: kda_chunk(*map(bad, (q, k, v, g, beta)), initial_state=h0, lengths=lens,
                                  use_qk_l2norm=l2, safe_gate=safe, backend="interpret",
                                  config=ChunkConfig(**kw))
-    o, s = run()
+    o, s = run(diag_block_k=None)
     ro, rs = kda_recurrent(q, k, v, g, beta, initial_state=h0, lengths=lens, use_qk_l2norm=l2)
     for bk in (16, 32):
         to, ts = run(diag_block_k=bk)
         assert rel(to, ro) < tol(dt) and rel(ts, rs) < tol(dt), (bk, rel(to, ro), rel(ts, rs))
         assert rel(to, o) < (1e-5 if dt == F32 else 1e-2), (bk, rel(to, o))
         assert bool(jnp.isfinite(to.astype(F32)).all())
-    with pytest.raises(ValueError, match="diag_block_k"):
-        run(diag_block_k=48)
+    # a tile that does not divide the head, or is below Triton's 16, is refused by name
+    for name, t in (("diag_block_k", 48), ("block_wu", 48), ("block_k_out", 48),
+                    ("block_k_inter", 48), ("block_k_out", 8)):
+        with pytest.raises(ValueError, match=f"{name}={t} .*must divide"):
+            run(**{name: t})

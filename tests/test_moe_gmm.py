@@ -109,7 +109,8 @@ def test_moe_gmm_glu_matches_reference(activation, wtype, dequant):
     x = jnp.asarray(rng.standard_normal((m, k)) * 2, jnp.bfloat16)
     w1, w3 = _weights(rng, g, k, n, wtype), _weights(rng, g, k, n, wtype)
     cfg = GmmConfig(32, 32, 64, block_m_small=16, dequant=dequant)
-    y = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="interpret", config=cfg)
+    y = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="interpret", config=cfg,
+                    fuse=True)
     ref = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="reference")
     assert _rel(y, ref) < 1e-2
     total = int(np.sum(np.asarray(gs)))
@@ -474,8 +475,10 @@ def test_default_config_runs_in_interpret_mode():
     w1, w3 = (_weights(rng, g, k, n, "mxfp4") for _ in range(2))
     y = moe_gmm(x, w1, gs, backend="interpret")
     assert _rel(y, moe_gmm(x, w1, gs, backend="reference")) < 1e-2
-    y = moe_gmm_glu(x, w1, w3, gs, backend="interpret")
-    assert _rel(y, moe_gmm_glu(x, w1, w3, gs, backend="reference")) < 2e-2
+    ref = moe_gmm_glu(x, w1, w3, gs, backend="reference")
+    for fuse in (True, False):  # the fused kernel's default config, and the unfused default
+        y = moe_gmm_glu(x, w1, w3, gs, backend="interpret", fuse=fuse)
+        assert _rel(y, ref) < 2e-2, fuse
 
 
 def test_benchmark_sweep_lowers_for_h200():
@@ -494,7 +497,8 @@ def test_benchmark_sweep_lowers_for_h200():
     for dequant in ("split_asm_sub", "split_asm_t"):
         cfg = GmmConfig(16, 128, 256, num_stages=4, dequant=dequant)
         lower_cuda(lambda a, b, c, d, cfg=cfg: moe_gmm_glu(a, b, c, d, activation="situ",
-                                                           backend="pallas", config=cfg),
+                                                           backend="pallas", config=cfg,
+                                                           fuse=True),
                    sd((1024, 3584), jnp.bfloat16), w, w, sd((896,), jnp.int32))
 
 

@@ -46,9 +46,11 @@ def test_unpatched_lowering_would_wrap():
 def test_moe_kernel_at_k3_tp2_rank_shapes_uses_64bit_offsets():
     E, K, N = 896, 3584, 1536  # routed gate/up of one TP2 rank: [E, N, K/2] uint8 = 2.47e9 bytes
 
-    def glu(x, p1, s1, p3, s3, sizes):
-        return moe_gmm_glu(x, MXFP4Weight(p1, s1), MXFP4Weight(p3, s3), sizes, backend="pallas")
+    for fuse in (True, False):  # the fused kernel, and the layer's default (two plain launches)
+        def glu(x, p1, s1, p3, s3, sizes, fuse=fuse):
+            return moe_gmm_glu(x, MXFP4Weight(p1, s1), MXFP4Weight(p3, s3), sizes,
+                               backend="pallas", fuse=fuse)
 
-    w = (S((E, N, K // 2), jnp.uint8), S((E, N, K // 32), jnp.uint8))
-    ir = triton_ir(glu, S((128, K), jnp.bfloat16), *w, *w, S((E,), jnp.int32))
-    assert ir and all("i64" in m for m in ir)
+        w = (S((E, N, K // 2), jnp.uint8), S((E, N, K // 32), jnp.uint8))
+        ir = triton_ir(glu, S((128, K), jnp.bfloat16), *w, *w, S((E,), jnp.int32))
+        assert len(ir) == (1 if fuse else 2) and all("i64" in m for m in ir), fuse

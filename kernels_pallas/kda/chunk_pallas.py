@@ -1,20 +1,23 @@
 """Chunked KDA prefill in Pallas (Triton lowering: CUDA and ROCm). Reference: reference.py.
 
 Chunks of C = 64 tokens, sub-blocks of 16. Five launches, each small enough to stay in registers:
-  1. `_diag_kernel`   (chunk, b, h): G, the in-chunk cumulative log-decay (g past `lengths` is
+  1. `_diag_kernel_tiled` (chunk, b, h; the default) or `_diag_kernel` (whole rows,
+     `ChunkConfig.diag_block_k=None`): G, the in-chunk cumulative log-decay (g past `lengths` is
      zeroed so G stays flat there); the 16x16 diagonal blocks of Aqk (incl. diagonal) and of
      L = beta * K K^T (strictly lower, with decay), fp32; the rows' inverse l2 norms. A block
      whose decay spans <= MATMUL_SPAN uses one matmul with G at its first row as reference (both
      factors stay in fp32 range); wider spans take the exact path, one exp per (row, column, key
      dim). `safe_gate=True` (the caller promises g >= -5 per token, K3's bounded gate) skips the
-     check. `ChunkConfig.diag_block_k`: the same launch in key tiles (`_diag_kernel_tiled`,
-     fewer registers).
+     check. The tiled form loops over key tiles of `diag_block_k` on the device.
   2. `_inter_kernel`  (chunk, b, h): the off-diagonal 16x16 blocks (reference: the cumulative decay
      at the first row of the later block, so both factors are <= 1 for any gate), looping over key
-     tiles; then T = (I + L)^-1 in fp32 (forward substitution on the diagonal blocks, block
-     substitution for the rest) and only the finished T rounded to the operand dtype.
+     tiles (a device loop, software-pipelined, when num_stages_inter >= 2); then T = (I + L)^-1
+     in fp32 (the diagonal blocks by the product form or forward substitution,
+     `ChunkConfig.diag_inverse`; block substitution for the rest) and only the finished T
+     rounded to the operand dtype.
      `ChunkConfig.split_inverse`: the same as two launches (`_offdiag_kernel` storing L in fp32,
-     then `_inverse_kernel`), each with fewer live registers. `ChunkConfig.inverse_precision`:
+     then `_inverse_kernel`), each with fewer live registers; `num_warps_inverse` applies to
+     that second launch only. `ChunkConfig.inverse_precision`:
      how the inverse's 16x16 products are computed (bf16x3 by default for bf16 operands).
   3. `_wu_kernel`     (chunk, b, h): W = T diag(beta) (K exp G), U = T diag(beta) V,
      Kg = K exp(G_C - G), exp(G_C): 64-row matmuls.
@@ -57,14 +60,17 @@ class ChunkConfig:
     H200 measurements (benchmarks/results_kda.md): 2026-11-29's sweep, and on 2026-11-30 the
     split launch 2 with the product inverse (B8 T4096 H12 2.207 vs 2.690 ms fused; B1 T8192 H96
     4.280 vs 5.299; B1 T32768 H16 3.441 vs 4.058); on 2026-12-01 a per-launch sweep (64-column
-    scan, 128-column out, bf16x3 inverse at 4 warps: 1.991 / 3.864 / 2.944 ms)."""
+    scan, 128-column out, bf16x3 inverse at 4 warps: 1.991 / 3.864 / 2.944 ms); later that day the
+    key-tile loops as pipelined device loops (B8 T4096 H12: 1.628 ms)."""
     block_k_inter: int = 32
     block_v_state: int | None = None   # None: `_pick_block_v`
     # 128: q, G and A are read once per chunk instead of once per V tile (H200, B8 T4096 H12,
     # 2026-12-01: out 0.208 vs 0.310 ms at 64)
     block_v_out: int = 128
-    num_warps_diag: int = 4
-    num_warps_inter: int = 4     # the off-diagonal launch when split (the fused one ran with 2)
+    # None: 2 for the key-tiled launch (0.460 ms vs 0.564 at 4 warps, 2 stages), 4 for the
+    # whole-row one (its measured setting; 1, 2 and 8 were slower there, 2026-12-01)
+    num_warps_diag: int | None = None
+    num_warps_inter: int = 4     # launch 2, fused or split (8 warps, fused: 1.068 ms vs 0.513)
     num_warps_wu: int = 4
     num_warps_state: int = 4
     num_stages_state: int = 2
@@ -72,12 +78,14 @@ class ChunkConfig:
     # two-level scan over this many runs of chunks; 0 = `auto_scan_groups` by shape (the default
     # since it was timed: B1 T32768 H16 on the H200, 8 groups 4.13 ms vs 5.18 ms sequential)
     scan_groups: int = 0
-    # launch 2 as two: off-diagonal blocks (L stored in fp32), then the inverse (its own warps);
-    # the fused launch uses 255 registers and spills on sm_90 (results_kda.md). With the product
-    # inverse the split is 1.2x faster overall (2026-11-30); with substitution it was not.
-    split_inverse: bool = True
-    # 8 warps with "ieee" products (139 registers; 2 or 4 warps: 255 and spills); 4 with
-    # "bf16x3" (H200, B8 T4096 H12: 0.192 ms vs 0.217 for ieee at 8; bf16x3 at 8 warps 0.529)
+    # launch 2 as two: off-diagonal blocks (L stored in fp32), then the inverse (its own warps).
+    # With the unrolled key loop the fused launch spilled on sm_90 and the split was 1.2x faster
+    # (2026-11-30); with the pipelined device loop the fused one is faster again (2026-12-01,
+    # B8 T4096 H12: 0.513 ms against 0.350 + 0.192 split).
+    split_inverse: bool = False
+    # the split launch's inverse only. 8 warps with "ieee" products (139 registers; 2 or 4
+    # warps: 255 and spills); 4 with "bf16x3" (H200, B8 T4096 H12: 0.192 ms vs 0.217 for ieee
+    # at 8; bf16x3 at 8 warps 0.529)
     num_warps_inverse: int = 4
     # the diagonal 16x16 blocks' inverse: "substitution" (15 dependent steps) or "product" (six
     # matmuls per block, no loop); see `_invert`. Split launch at B8 T4096 H12 (H200): inverse
@@ -90,12 +98,27 @@ class ChunkConfig:
     # always take "ieee".
     # (H200, B8 T4096 H12, 4 warps: bf16x3 0.192 ms, tf32 0.168 ms; ieee at 8 warps 0.217)
     inverse_precision: str = "bf16x3"
-    # the diagonal launch in key tiles of this many columns (`_diag_kernel_tiled`); None: whole
-    # rows (`_diag_kernel`). ncu (2026-12-01): the whole-row launch holds 243 registers (each
-    # warp keeps its dots' full-width [16, 128] operands), so 2 blocks per SM, latency-bound;
-    # the tiled one 143 offline (3 blocks per SM).
-    # Same math, products rounded per tile. Untimed: off until measured.
-    diag_block_k: int | None = None
+    # Key tiles as device loops, so Triton software-pipelines their loads (q, k, G, h through
+    # shared memory with cp.async, num_stages deep) behind the previous tile's products. ncu
+    # (2026-12-01) found the unrolled launches latency-bound at 2 blocks per SM; prefetching is
+    # what that calls for. H200, B8 T4096 H12, GPU kernel time, ms (unrolled -> device loop):
+    #   diag     0.640 -> 0.564  diag_block_k 32, 2 stages (16 keys: 0.646; 32 at 3 stages and
+    #                            8 warps 1.050; 32 unpipelined 0.751); at 2 warps 0.460
+    #   offdiag  0.432 -> 0.346  32 keys, 3 stages (2 stages 0.372; 16 keys 0.470-0.476)
+    #   wu       0.252 -> 0.225  64 columns, 2 stages (32 at 3 stages 0.230)
+    #   out      0.229 -> 0.204  32 keys, 2 stages (3 stages 0.201, but 77 KB of shared memory,
+    #                            over MI300X's 64 KiB of LDS)
+    # diag_block_k None: the whole-row diagonal launch (`_diag_kernel`, unrolled); otherwise the
+    # key-tiled one (`_diag_kernel_tiled`, always a device loop). num_stages_inter / _wu: 1 keeps
+    # their tile loops unrolled, >= 2 makes them device loops. block_k_out None: out's q h product
+    # in one piece.
+    diag_block_k: int | None = 32
+    num_stages_diag: int = 2
+    num_stages_inter: int = 3
+    num_stages_wu: int = 3       # 0.208 ms vs 0.225 at 2 stages
+    block_wu: int = 64           # the W/U launch's column tile
+    num_stages_out: int = 2
+    block_k_out: int | None = 32
 
 
 def _is_pow2(n: int) -> bool:
@@ -221,89 +244,98 @@ def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_
 
 def _diag_kernel_tiled(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_ref,
                        rk_ref, *, scale, l2norm, safe_gate, prec_mm, block_k):
-    """`_diag_kernel` with each sub-block's key dimension in tiles of `block_k`
-    (ChunkConfig.diag_block_k): G, its carry and the two products are formed tile by tile, the
-    products on the raw (masked) q and k, and the l2 norms scale the 16x16 results after
-    (A_rj = rq_r rk_j sum_k ...). So no full-width [16, K] tile, and no full-width dot operand
-    (which each warp holds whole), is live; the sub-blocks run as a device loop, so only one
-    sub-block's tiles are (offline, sm_90, 32-key tiles: 143 registers against 248 for the
-    whole-row launch; 168 with the sub-blocks unrolled). The span check takes the maximum over
-    the tiles; the exact path reloads its tiles from the refs."""
+    """`_diag_kernel` with the key dimension as a device loop over tiles of `block_k` columns
+    (ChunkConfig.diag_block_k), the four sub-blocks inside each tile. The decay's cumsum runs down
+    each column, so a tile needs nothing from the others; the products are formed on the raw
+    (masked) q and k and the l2 norms scale the 16x16 results after (A_rj = rq_r rk_j sum_k ...).
+    Only one tile's operands are live (no full-width [16, K] dot operand, which each warp holds
+    whole), and with num_stages_diag >= 2 Triton pipelines the next tile's loads behind this
+    tile's math. The span check takes the maximum over the tiles; a sub-block past it is redone
+    by the exact path, tile by tile from the refs."""
     n = pl.program_id(0)
     length = len_ref[...]
     K = q_ref.shape[-1]
-    tiles = [slice(t * block_k, (t + 1) * block_k) for t in range(K // block_k)]
     ri = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 0)
     ci = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 1)
     z = jnp.zeros((SB, SB), F32)
+    rows = [slice(i * SB, (i + 1) * SB) for i in range(NSB)]
+    valid = [_valid_rows(length, n * C + i * SB, SB) for i in range(NSB)]
 
-    def sub_block(i, before):
-        rows = pl.ds(pl.multiple_of(i * SB, SB), SB)
-        valid = _valid_rows(length, n * C + i * SB, SB)
-        vm = valid[:, None]
-        carry = list(before)
-        ssq_q = ssq_k = jnp.zeros((SB,), F32)
-        aq = ak = z
-        span = jnp.float32(0.0)
-        for t, cols in enumerate(tiles):
-            g, cs = _gate_block(g_ref, (rows, cols), vm)
-            G = cs + before[t][None, :]
-            G0 = before[t] + jnp.where(n * C + i * SB < length, g_ref[i * SB, cols], 0.0)
-            carry[t] = before[t] + jnp.sum(g, axis=0)
-            G_ref[rows, cols] = G
-            q = jnp.where(vm, q_ref[rows, cols].astype(F32), 0.0)
-            k = jnp.where(vm, k_ref[rows, cols].astype(F32), 0.0)
-            ssq_q, ssq_k = ssq_q + jnp.sum(q * q, axis=1), ssq_k + jnp.sum(k * k, axis=1)
+    def tile(t, acc):
+        cols = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
+        aq, ak, ssq_q, ssq_k, span = (list(a) for a in acc)
+        carry = jnp.zeros((block_k,), F32)
+        for i in range(NSB):
+            vm = valid[i][:, None]
+            g, cs = _gate_block(g_ref, (rows[i], cols), vm)
+            G = cs + carry[None, :]
+            G0 = carry + jnp.where(n * C + i * SB < length, g_ref[i * SB, cols], 0.0)
+            carry = carry + jnp.sum(g, axis=0)
+            G_ref[rows[i], cols] = G
+            q = jnp.where(vm, q_ref[rows[i], cols].astype(F32), 0.0)
+            k = jnp.where(vm, k_ref[rows[i], cols].astype(F32), 0.0)
+            ssq_q[i] = ssq_q[i] + jnp.sum(q * q, axis=1)
+            ssq_k[i] = ssq_k[i] + jnp.sum(k * k, axis=1)
             eq = jnp.exp(G - G0[None, :])              # as in `_diag_kernel`'s by_matmul
             ek = k * jnp.exp(G0[None, :] - G)
-            aq = aq + _dot(q * eq, ek, prec_mm, trans_b=True)
-            ak = ak + _dot(k * eq, ek, prec_mm, trans_b=True)
+            aq[i] = aq[i] + _dot(q * eq, ek, prec_mm, trans_b=True)
+            ak[i] = ak[i] + _dot(k * eq, ek, prec_mm, trans_b=True)
             if not safe_gate:
-                span = jnp.maximum(span, jnp.max(G0 - carry[t]))
+                span[i] = jnp.maximum(span[i], jnp.max(G0 - carry))
+        return aq, ak, ssq_q, ssq_k, span
+
+    zv = jnp.zeros((SB,), F32)
+    aq, ak, ssq_q, ssq_k, span = jax.lax.fori_loop(
+        0, K // block_k, tile, ([z] * NSB, [z] * NSB, [zv] * NSB, [zv] * NSB,
+                                [jnp.float32(0.0)] * NSB))
+    for i in range(NSB):
         if l2norm:
-            rq, rk = jax.lax.rsqrt(ssq_q + 1e-6), jax.lax.rsqrt(ssq_k + 1e-6)
+            rq, rk = jax.lax.rsqrt(ssq_q[i] + 1e-6), jax.lax.rsqrt(ssq_k[i] + 1e-6)
         else:
             rq = rk = jnp.ones((SB,), F32)
-        rq_ref[rows] = rq
-        rk_ref[rows] = rk
-        aq = aq * rq[:, None] * rk[None, :]
-        ak = ak * rk[:, None] * rk[None, :]
+        rq_ref[rows[i]] = rq
+        rk_ref[rows[i]] = rk
+        aqi = aq[i] * rq[:, None] * rk[None, :]
+        aki = ak[i] * rk[:, None] * rk[None, :]
         if not safe_gate:
-            def exact(_, rows=rows, vm=vm, before=before, rq=rq, rk=rk):
+            def exact(_, i=i, rq=rq, rk=rk):
+                vm = valid[i][:, None]
                 acc = (z, z)
-                for t, cols in enumerate(tiles):
-                    g, cs = _gate_block(g_ref, (rows, cols), vm)
-                    G = cs + before[t][None, :]
-                    q = jnp.where(vm, q_ref[rows, cols].astype(F32), 0.0) * rq[:, None]
-                    k = jnp.where(vm, k_ref[rows, cols].astype(F32), 0.0) * rk[:, None]
-                    acc = _exact_blocks(q, k, G, acc)
+                for t in range(K // block_k):
+                    cols = slice(t * block_k, (t + 1) * block_k)
+                    # only differences G_r - G_j within the sub-block enter, so its own cumsum
+                    # serves (the rows before it would cancel)
+                    _, cs = _gate_block(g_ref, (rows[i], cols), vm)
+                    q = jnp.where(vm, q_ref[rows[i], cols].astype(F32), 0.0) * rq[:, None]
+                    k = jnp.where(vm, k_ref[rows[i], cols].astype(F32), 0.0) * rk[:, None]
+                    acc = _exact_blocks(q, k, cs, acc)
                 return acc
-            aq, ak = jax.lax.cond(span <= MATMUL_SPAN, lambda _, a=(aq, ak): a, exact, None)
-        beta = jnp.where(valid, b_ref[rows].astype(F32), 0.0)
-        aq_ref[rows, :] = jnp.where(ri >= ci, aq * scale, 0.0)
-        ak_ref[rows, :] = jnp.where(ri > ci, ak * beta[:, None], 0.0)
-        return tuple(carry)
-
-    # a device loop over the sub-blocks: one sub-block's tiles live at a time
-    jax.lax.fori_loop(0, NSB, sub_block, tuple(jnp.zeros((block_k,), F32) for _ in tiles))
+            aqi, aki = jax.lax.cond(span[i] <= MATMUL_SPAN, lambda _, a=(aqi, aki): a, exact, None)
+        beta = jnp.where(valid[i], b_ref[rows[i]].astype(F32), 0.0)
+        aq_ref[rows[i], :] = jnp.where(ri >= ci, aqi * scale, 0.0)
+        ak_ref[rows[i], :] = jnp.where(ri > ci, aki * beta[:, None], 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
 # 2. off-diagonal blocks + fp32 inverse
 # ----------------------------------------------------------------------------------------------
-def _offdiag_blocks(n, length, q_ref, k_ref, G_ref, rq_ref, rk_ref, block_k, prec_mm):
+def _offdiag_blocks(n, length, q_ref, k_ref, G_ref, rq_ref, rk_ref, block_k, prec_mm, device_loop):
     """The off-diagonal 16x16 blocks (i > j) of Q K^T and K K^T with decay, fp32, looping over
-    key tiles: dicts (i, j) -> [SB, SB]; and the sub-blocks' valid-row masks."""
+    key tiles: dicts (i, j) -> [SB, SB]; and the sub-blocks' valid-row masks. `device_loop`:
+    the key tiles as a device loop, whose loads Triton software-pipelines through shared memory
+    when the launch has num_stages >= 2; else unrolled."""
     K = q_ref.shape[-1]
     valid = [_valid_rows(length, n * C + i * SB, SB) for i in range(NSB)]
     rows = [slice(i * SB, (i + 1) * SB) for i in range(NSB)]
     rq = [rq_ref[r] for r in rows]
     rk = [rk_ref[r] for r in rows]
+    pairs = [(i, j) for i in range(1, NSB) for j in range(i)]
     z = jnp.zeros((SB, SB), F32)
-    Aq = {(i, j): z for i in range(1, NSB) for j in range(i)}
-    Ak = dict(Aq)
-    for kt in range(K // block_k):
-        cols = slice(kt * block_k, (kt + 1) * block_k)
+
+    def tile(kt, acc):
+        cols = (slice(kt * block_k, (kt + 1) * block_k) if isinstance(kt, int)
+                else pl.ds(pl.multiple_of(kt * block_k, block_k), block_k))
+        Aq, Ak = dict(zip(pairs, acc[0])), dict(zip(pairs, acc[1]))
         ks = [_masked(k_ref, rows[i], cols, valid[i], rk[i]) for i in range(NSB)]
         Gs = [G_ref[rows[i], cols] for i in range(NSB)]
         for i in range(1, NSB):
@@ -315,7 +347,15 @@ def _offdiag_blocks(n, length, q_ref, k_ref, G_ref, rq_ref, rk_ref, block_k, pre
                 kt_j = ks[j] * jnp.exp(gn - Gs[j])    # <= 1
                 Aq[i, j] = Aq[i, j] + _dot(qe, kt_j, prec_mm, trans_b=True)
                 Ak[i, j] = Ak[i, j] + _dot(ke, kt_j, prec_mm, trans_b=True)
-    return Aq, Ak, valid
+        return [Aq[ij] for ij in pairs], [Ak[ij] for ij in pairs]
+
+    if device_loop:
+        acc = jax.lax.fori_loop(0, K // block_k, tile, ([z] * len(pairs), [z] * len(pairs)))
+    else:
+        acc = ([z] * len(pairs), [z] * len(pairs))
+        for kt in range(K // block_k):
+            acc = tile(kt, acc)
+    return dict(zip(pairs, acc[0])), dict(zip(pairs, acc[1])), valid
 
 
 def _dot_bf16x3(a, b):
@@ -399,29 +439,30 @@ def _store_lower(ref, blocks, diag=None):
 
 
 def _store_a_get_l(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, a_ref, *, scale,
-                   block_k, prec_mm):
+                   block_k, prec_mm, device_loop):
     """Launch 2's shared first half: stores A (scaled Q K^T blocks, diagonal from aqd_ref) and
     returns L's off-diagonal blocks (beta-scaled K K^T), fp32."""
     Aq, Ak, valid = _offdiag_blocks(pl.program_id(0), len_ref[...], q_ref, k_ref, G_ref, rq_ref,
-                                    rk_ref, block_k, prec_mm)
+                                    rk_ref, block_k, prec_mm, device_loop)
     beta = [jnp.where(valid[i], b_ref[i * SB:(i + 1) * SB].astype(F32), 0.0) for i in range(NSB)]
     _store_lower(a_ref, {ij: x * scale for ij, x in Aq.items()}, diag=aqd_ref)
     return {ij: Ak[ij] * beta[ij[0]][:, None] for ij in Ak}
 
 
 def _inter_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, akd_ref,
-                  a_ref, t_ref, *, scale, block_k, op_dtype, prec_mm, diag_inverse, inv_prec):
+                  a_ref, t_ref, *, scale, block_k, op_dtype, prec_mm, diag_inverse, inv_prec,
+                  device_loop):
     L = _store_a_get_l(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, a_ref,
-                       scale=scale, block_k=block_k, prec_mm=prec_mm)
+                       scale=scale, block_k=block_k, prec_mm=prec_mm, device_loop=device_loop)
     _store_lower(t_ref, _invert(L, akd_ref, diag_inverse, inv_prec))
 
 
 def _offdiag_kernel(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, a_ref, l_ref, *,
-                    scale, block_k, prec_mm):
+                    scale, block_k, prec_mm, device_loop):
     """Launch 2a of the split variant: A (as `_inter_kernel` stores it) and L's off-diagonal
     blocks in fp32 (the inverse reads them back in launch 2b)."""
     L = _store_a_get_l(len_ref, q_ref, k_ref, G_ref, b_ref, rq_ref, rk_ref, aqd_ref, a_ref,
-                       scale=scale, block_k=block_k, prec_mm=prec_mm)
+                       scale=scale, block_k=block_k, prec_mm=prec_mm, device_loop=device_loop)
     _store_lower(l_ref, {**L, **{(i, i): jnp.zeros((SB, SB), F32) for i in range(NSB)}})
 
 
@@ -435,27 +476,44 @@ def _inverse_kernel(l_ref, akd_ref, t_ref, *, diag_inverse, inv_prec):
 # 3. W, U, Kg, exp(G_C)
 # ----------------------------------------------------------------------------------------------
 def _wu_kernel(len_ref, k_ref, v_ref, G_ref, b_ref, rk_ref, t_ref, w_ref, u_ref, kg_ref, ec_ref, *,
-               op_dtype, prec_mm):
-    """W = T (beta K exp G), U = T (beta V), Kg = K exp(G_C - G), exp(G_C)."""
+               op_dtype, prec_mm, tile, device_loop):
+    """W = T (beta K exp G), U = T (beta V), Kg = K exp(G_C - G), exp(G_C), in column tiles of
+    `tile`; `device_loop`: the tiles as device loops (pipelined loads with num_stages >= 2)."""
     n = pl.program_id(0)
     valid = _valid_rows(len_ref[...], n * C, C)
     K, V = w_ref.shape[-1], v_ref.shape[-1]
     T = t_ref[...]
     beta = jnp.where(valid, b_ref[...].astype(F32), 0.0)
     rk = rk_ref[...]
-    tile = 64
-    for ct in range(max(K // tile, 1)):
-        cols = slice(ct * tile, min((ct + 1) * tile, K))
+
+    def cols_of(ct, width):
+        if isinstance(ct, int):
+            return slice(ct * width, (ct + 1) * width)
+        return pl.ds(pl.multiple_of(ct * width, width), width)
+
+    def k_tile(ct, _):
+        cols = cols_of(ct, tile_k)
         k = _masked(k_ref, slice(None), cols, valid, rk)
         G = G_ref[:, cols]
-        GC = _row(G, C - 1, C)                        # decay to the chunk's end (g masked: flat)
+        GC = G_ref[C - 1, cols]                       # decay to the chunk's end (g masked: flat)
         w_ref[:, cols] = _dot(T, _gate_w(k, G, beta).astype(op_dtype), prec_mm).astype(w_ref.dtype)
         kg_ref[:, cols] = _gate_kg(k, G, GC).astype(kg_ref.dtype)
         ec_ref[cols] = jnp.exp(GC)
-    for ct in range(max(V // tile, 1)):
-        cols = slice(ct * tile, min((ct + 1) * tile, V))
+        return _
+
+    def v_tile(ct, _):
+        cols = cols_of(ct, tile_v)
         v = _masked(v_ref, slice(None), cols, valid)
         u_ref[:, cols] = _dot(T, (beta[:, None] * v).astype(op_dtype), prec_mm).astype(u_ref.dtype)
+        return _
+
+    tile_k, tile_v = min(tile, K), min(tile, V)
+    for body, width, total in ((k_tile, tile_k, K), (v_tile, tile_v, V)):
+        if device_loop:
+            jax.lax.fori_loop(0, total // width, body, 0)
+        else:
+            for ct in range(total // width):
+                body(ct, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -500,12 +558,24 @@ def _state_kernel(*refs, n_chunks, transition, store, op_dtype, prec_mm):
 # 5. output
 # ----------------------------------------------------------------------------------------------
 def _out_kernel(len_ref, q_ref, G_ref, rq_ref, a_ref, h_ref, vn_ref, o_ref, *, scale, op_dtype,
-                prec_mm):
+                prec_mm, block_k):
+    """o = (scale q exp G) h + A vn; with `block_k` the first product as a device loop over key
+    tiles (pipelined loads with num_stages >= 2), else one product over all keys."""
     n = pl.program_id(0)
     valid = _valid_rows(len_ref[...], n * C, C)
-    q = _masked(q_ref, slice(None), slice(None), valid, rq_ref[...])
-    qg = _gate_q(q, G_ref[...], scale).astype(op_dtype)
-    o = _dot(qg, h_ref[...], prec_mm) + _dot(a_ref[...], vn_ref[...], prec_mm)
+    rq = rq_ref[...]
+    K = q_ref.shape[-1]
+    o = _dot(a_ref[...], vn_ref[...], prec_mm)
+    if block_k is None:
+        q = _masked(q_ref, slice(None), slice(None), valid, rq)
+        o = o + _dot(_gate_q(q, G_ref[...], scale).astype(op_dtype), h_ref[...], prec_mm)
+    else:
+        def tile(t, o):
+            cols = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
+            q = _masked(q_ref, slice(None), cols, valid, rq)
+            qg = _gate_q(q, G_ref[:, cols], scale).astype(op_dtype)
+            return o + _dot(qg, h_ref[cols, :], prec_mm)
+        o = jax.lax.fori_loop(0, K // block_k, tile, o)
     o_ref[...] = jnp.where(valid[:, None], o, 0.0).astype(o_ref.dtype)
 
 
@@ -531,9 +601,7 @@ def _launch_diag(lens, q, k, g, beta, *, scale, l2norm, safe_gate, op_dtype, pre
     out_specs = [tok(K), per(SB), per(SB), vec, vec]
     out_shape = [sds((B, Tp, H, K), F32), sds((B, H, Tp, SB), F32), sds((B, H, Tp, SB), F32),
                  sds((B, H, Tp), F32), sds((B, H, Tp), F32)]
-    if cfg.diag_block_k is not None:
-        if K % cfg.diag_block_k or cfg.diag_block_k < 16:
-            raise ValueError(f"diag_block_k={cfg.diag_block_k}: must divide K={K} and be >= 16")
+    if cfg.diag_block_k is not None:   # checked by `resolve_config`
         kernel = functools.partial(_diag_kernel_tiled, block_k=cfg.diag_block_k)
     else:
         kernel = _diag_kernel
@@ -544,7 +612,7 @@ def _launch_diag(lens, q, k, g, beta, *, scale, l2norm, safe_gate, op_dtype, pre
         in_specs=[length, tok(K), tok(K), tok(K), beta_spec],
         out_specs=out_specs,
         out_shape=tuple(out_shape),
-        compiler_params=triton_params(num_warps=cfg.num_warps_diag, num_stages=1),
+        compiler_params=triton_params(num_warps=cfg.num_warps_diag, num_stages=cfg.num_stages_diag),
         interpret=interpret, name="kda_chunk_diag",
     )(lens, q, k, g, beta)
 
@@ -571,12 +639,13 @@ def _launch_inter(lens, q, k, G, beta, rq, rk, aqd, akd, *, scale, op_dtype, pre
     return pl.pallas_call(
         functools.partial(_inter_kernel, scale=scale, block_k=cfg.block_k_inter,
                           op_dtype=op_dtype, prec_mm=prec_mm, diag_inverse=cfg.diag_inverse,
-                          inv_prec=_inverse_precision(cfg, op_dtype)),
+                          inv_prec=_inverse_precision(cfg, op_dtype),
+                          device_loop=cfg.num_stages_inter >= 2),
         grid=(Tp // C, B, H),
         in_specs=[length, tok(K), tok(K), tok(K), beta_spec, vec, vec, per(SB), per(SB)],
         out_specs=[per(C), per(C)],
         out_shape=(sds((B, H, Tp, C), op_dtype), sds((B, H, Tp, C), op_dtype)),
-        compiler_params=triton_params(num_warps=cfg.num_warps_inter, num_stages=1),
+        compiler_params=triton_params(num_warps=cfg.num_warps_inter, num_stages=cfg.num_stages_inter),
         interpret=interpret, name="kda_chunk_inter",
     )(lens, q, k, G, beta, rq, rk, aqd, akd)
 
@@ -586,12 +655,13 @@ def _launch_offdiag(lens, q, k, G, beta, rq, rk, aqd, *, scale, op_dtype, prec_m
     tok, per, vec, beta_spec, length = _chunk_specs()
     sds = jax.ShapeDtypeStruct
     return pl.pallas_call(
-        functools.partial(_offdiag_kernel, scale=scale, block_k=cfg.block_k_inter, prec_mm=prec_mm),
+        functools.partial(_offdiag_kernel, scale=scale, block_k=cfg.block_k_inter, prec_mm=prec_mm,
+                          device_loop=cfg.num_stages_inter >= 2),
         grid=(Tp // C, B, H),
         in_specs=[length, tok(K), tok(K), tok(K), beta_spec, vec, vec, per(SB)],
         out_specs=[per(C), per(C)],
         out_shape=(sds((B, H, Tp, C), op_dtype), sds((B, H, Tp, C), F32)),
-        compiler_params=triton_params(num_warps=cfg.num_warps_inter, num_stages=1),
+        compiler_params=triton_params(num_warps=cfg.num_warps_inter, num_stages=cfg.num_stages_inter),
         interpret=interpret, name="kda_chunk_offdiag",
     )(lens, q, k, G, beta, rq, rk, aqd)
 
@@ -626,13 +696,14 @@ def _launch_wu(lens, v, beta, Tinv, k, G, rk, *, op_dtype, prec_mm, cfg, interpr
     tok, per, vec, beta_spec, length = _chunk_specs()
     sds = jax.ShapeDtypeStruct
     return pl.pallas_call(
-        functools.partial(_wu_kernel, op_dtype=op_dtype, prec_mm=prec_mm),
+        functools.partial(_wu_kernel, op_dtype=op_dtype, prec_mm=prec_mm, tile=cfg.block_wu,
+                          device_loop=cfg.num_stages_wu >= 2),
         grid=(N, B, H),
         in_specs=[length, tok(K), tok(V), tok(K), beta_spec, vec, per(C)],
         out_specs=[per(K), per(V), per(K), _chunk_row_spec(K)],
         out_shape=(sds((B, H, Tp, K), op_dtype), sds((B, H, Tp, V), op_dtype),
                    sds((B, H, Tp, K), op_dtype), sds((B, H, N, K), F32)),
-        compiler_params=triton_params(num_warps=cfg.num_warps_wu, num_stages=1),
+        compiler_params=triton_params(num_warps=cfg.num_warps_wu, num_stages=cfg.num_stages_wu),
         interpret=interpret, name="kda_chunk_wu",
     )(lens, k, v, G, beta, rk, Tinv)
 
@@ -713,15 +784,40 @@ def _launch_out(lens, A, h, vn, q, G, rq, *, groups, scale, out_dtype, op_dtype,
     tok = spec((None, C, None, K), lambda n, b, h, j: (b, n, h, 0))
     q_specs = [tok, tok, spec((None, None, C), lambda n, b, h, j: (b, h, n))]
     return pl.pallas_call(
-        functools.partial(_out_kernel, scale=scale, op_dtype=op_dtype, prec_mm=prec_mm),
+        functools.partial(_out_kernel, scale=scale, op_dtype=op_dtype, prec_mm=prec_mm,
+                          block_k=cfg.block_k_out),
         grid=(N, B, H, V // bvo),
         in_specs=[spec((None,), lambda n, b, h, j: (b,))] + q_specs + [
             chunk(C), spec((None, None, K, bvo), hist), spec((None, None, C, bvo), hist)],
         out_specs=spec((None, C, None, bvo), lambda n, b, h, j: (b, n, h, j)),
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype),
-        compiler_params=triton_params(num_warps=cfg.num_warps_out, num_stages=2),
+        compiler_params=triton_params(num_warps=cfg.num_warps_out, num_stages=cfg.num_stages_out),
         interpret=interpret, name="kda_chunk_out",
     )(lens, q, G, rq, A, h, vn)
+
+
+def resolve_config(config: ChunkConfig, K: int, V: int) -> ChunkConfig:
+    """The config the launches run with for heads of K keys and V values: tiles no wider than
+    the head, num_warps_diag resolved by the diagonal launch's form; refuses tiles that do not
+    divide the head or are narrower than 16 (Triton's smallest dot)."""
+    tiled = config.diag_block_k is not None
+    cfg = dataclasses.replace(
+        config, block_k_inter=min(config.block_k_inter, K),
+        block_k_out=None if config.block_k_out is None else min(config.block_k_out, K),
+        diag_block_k=min(config.diag_block_k, K) if tiled else None,
+        num_warps_diag=config.num_warps_diag or (2 if tiled else 4))
+    tiles = {"block_k_inter": (cfg.block_k_inter, K), "block_v_out": (min(cfg.block_v_out, V), V),
+             "block_wu": (min(cfg.block_wu, K), K), "block_wu ": (min(cfg.block_wu, V), V)}
+    if cfg.block_k_out is not None:
+        tiles["block_k_out"] = (cfg.block_k_out, K)
+    if tiled:
+        tiles["diag_block_k"] = (cfg.diag_block_k, K)
+    bad = [f"{name.strip()}={t} (head {n})" for name, (t, n) in tiles.items()
+           if t < 16 or n % t]
+    if bad:
+        raise ValueError(f"ChunkConfig tiles {', '.join(bad)}: each must divide the head's "
+                         "K / V and be >= 16")
+    return cfg
 
 
 def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=None,
@@ -735,9 +831,7 @@ def chunk_stages(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=No
     V = v.shape[-1]
     if not (_is_pow2(K) and _is_pow2(V) and K >= 16 and V >= 16):
         raise ValueError(f"K={K} and V={V} must be powers of two >= 16")
-    cfg = dataclasses.replace(config, block_k_inter=min(config.block_k_inter, K))  # small heads
-    if K % cfg.block_k_inter or V % min(cfg.block_v_out, V):
-        raise ValueError(f"config {cfg} does not tile K={K}, V={V}")
+    cfg = resolve_config(config, K, V)
     scale = float(K ** -0.5 if scale is None else scale)
     out_dtype = v.dtype
     op_dtype = F32 if q.dtype == F32 else jnp.bfloat16

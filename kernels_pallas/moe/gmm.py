@@ -190,8 +190,9 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
       at decode vs 65-66%; 123-125 TFLOP/s at 8192 tokens vs 247), and offline (upstream Triton
       3.6, sm_90, K3's gate/up) it took 129 KB of shared memory at decode (one block per SM) and
       spilled 1.6-1.8 KB a thread at prefill. With half the block_n: 77 KB and 168 registers at
-      decode, no spill at prefill (128 x 64, 8 warps: 174 registers). Chosen offline on
-      2026-12-01; not yet timed on the device.
+      decode, no spill at prefill (128 x 64, 8 warps: 174 registers). Timed in the K3 layer
+      (results_moe.md run 6): 4.77 -> 4.14 ms at 64 tokens, 69.5 -> 51.4 ms at 8192 (MXFP4).
+      The unfused form (two plain products) is still 1-9% faster and is the layer's default.
     """
     rows_per_group = m / max(g, 1)
     bn = 128 if n >= 128 else max(16, pl.next_power_of_2(n))
@@ -650,13 +651,14 @@ def moe_gmm(x, w, group_sizes, *, backend: str | None = None, preferred_element_
 
 def moe_gmm_glu(x, w1, w3, group_sizes, *, activation: str = "swiglu", backend: str | None = None,
                 preferred_element_type=None, config: GmmConfig | None = None, precision=None,
-                situ_beta: float = 4.0, situ_linear_beta: float = 25.0, fuse: bool = True):
+                situ_beta: float = 4.0, situ_linear_beta: float = 25.0, fuse: bool = False):
     """Gate/up: act(x @ w1[g]) * (x @ w3[g]) (activation "swiglu" or "situ": SiTU(a) *
     25 tanh(b / 25)). w1, w3 as in `moe_gmm` (both dense or both MXFP4). `fuse`: one pass over
     x with both products and the activation in the kernel's epilogue; False: two `moe_gmm`
     launches with fp32 outputs, then the activation in XLA (same math, an [M, N] fp32 pair in
-    memory; at K3 scale the unfused product ran faster in results_moe.md, inside the layer not
-    yet timed)."""
+    memory). Unfused is the default: inside the K3 layer on the H200 it was faster at 64, 512
+    and 8192 tokens, MXFP4 and bf16 (results_moe.md run 6), even with the fused kernel's
+    half-width blocks that no longer spill."""
     backend = resolve_backend(backend)
     out_dtype = preferred_element_type or x.dtype
     if not fuse and backend != "reference":

@@ -108,12 +108,15 @@ def _grouped_weight(experts: dict, name: str, dtype):
     return MXFP4Weight(experts[f"{name}_packed"], experts[f"{name}_scale"])
 
 
-def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0, fuse_glu=True):
+def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0,
+                    fuse_glu=False):
     """sum_j weights[n, j] * expert_{idx[n, j]}(u[n]) in fp32 [N, in], over the experts held here:
     `experts` holds E_local of them (its leading dimension), ids first .. first + E_local - 1;
     pairs routed elsewhere contribute 0. With the whole set (first 0, E_local = E) this is the
     layer's routed output; split intermediates give a partial sum. `fuse_glu`: gate/up and the
-    activation in one kernel (see `moe_gmm_glu`)."""
+    activation in one kernel (see `moe_gmm_glu`); off by default: at K3 dims on the H200 the two
+    products plus the activation in XLA were faster at every token count (results_moe.md run 6,
+    MXFP4 layer 3.81 vs 4.14 ms at 64 tokens, 46.8 vs 51.4 ms at 8192)."""
     dt = cfg.jnp_dtype
     w = {n: _grouped_weight(experts, n, dt) for n in ("w1", "w3", "w2")}
     E_local = w["w1"].shape[0]
@@ -148,7 +151,7 @@ def sum_partials(terms):
     return functools.reduce(operator.add, parts)
 
 
-def moe_apply(cfg, p, xf, backend=None, axes: MoEAxes = MoEAxes(), fuse_glu=True):
+def moe_apply(cfg, p, xf, backend=None, axes: MoEAxes = MoEAxes(), fuse_glu=False):
     """One MoE layer on tokens xf [N, D] -> [N, D]; p holds this rank's slices of the weights as
     `axes` says (the default: whole weights, no collective). Collectives: the routed experts'
     partial latent sums reduce over their axes (latent MoE; one psum), then one psum assembles
