@@ -9,10 +9,12 @@ identical.
 
   python3 -m pip install triton==3.6.0     # CPU machine; no GPU needed
   PYTHONPATH=. python3 benchmarks/kernel_resources.py [kda] [mla] [--targets sm_90,gfx942,gfx950]
+  PYTHONPATH=. python3 benchmarks/kernel_resources.py kda --sass   # + SASS opcode mix (sm_90)
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import tempfile
@@ -57,21 +59,50 @@ def compile_ttir(ttir: str, target: str, num_warps: int, num_stages: int):
                                                   "num_stages": num_stages})
 
 
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """`cuobjdump <flag>` on a cubin, with the cuobjdump that the triton package ships."""
+    import subprocess
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        return subprocess.run([tool, flag, fh.name], capture_output=True, text=True).stdout
+
+
+SASS_OPS = ("HMMA", "HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "BAR", "LDS", "STS", "SHFL", "F2FP",
+            "LDL", "STL")
+
+
+def sass_mix(cubin: bytes, loop_trips: int) -> collections.Counter:
+    """Opcode counts of a kernel's SASS, each instruction inside a loop (a backward branch's
+    span) counted `loop_trips` times: a rough per-warp dynamic count for kernels whose only
+    loop is the key-tile loop. Multiplied by the warps it says what a program issues, which
+    is where 4 warps redoing a 16x16 product shows (results_kda.md, 2026-12-01 evening). Loops
+    the trip count does not describe (the exact path's column loop, wu's second loop) are
+    weighted the same: read the counts as a comparison between configs, not a profile."""
+    ins, loops = [], []
+    for line in _cuobjdump(cubin, "-sass").splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*?);", line)
+        if not m:
+            continue
+        addr = int(m.group(1), 16)
+        ins.append((addr, m.group(2)))
+        back = re.search(r"BRA\s+0x([0-9a-f]+)", m.group(2) + m.group(3))
+        if back and int(back.group(1), 16) < addr:
+            loops.append((int(back.group(1), 16), addr))
+    return collections.Counter({op: 0 for op in SASS_OPS}) + collections.Counter(
+        op for addr, op in ins
+        for _ in range(loop_trips if any(lo <= addr <= hi for lo, hi in loops) else 1))
+
+
 def _compile(ttir: str, target: str, num_warps: int, num_stages: int):
     """-> dict(smem bytes, registers, spill) for one kernel's Triton IR on one target."""
     k = compile_ttir(ttir, target, num_warps, num_stages)
-    out = {"smem": k.metadata.shared}
+    out = {"smem": k.metadata.shared, "kernel": k}
     if target.startswith("sm_"):  # registers / spill from the cubin (triton ships cuobjdump)
-        import subprocess
-
-        import triton
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                            "cuobjdump")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-            fh.write(k.asm["cubin"])
-            fh.flush()
-            usage = subprocess.run([tool, "-res-usage", fh.name], capture_output=True,
-                                   text=True).stdout
+        usage = _cuobjdump(k.asm["cubin"], "-res-usage")
         out["regs"] = int((re.findall(r"REG:(\d+)", usage) or [-1])[0])
         out["spill"] = int((re.findall(r"STACK:(\d+)", usage) or [-1])[0])  # bytes of stack
     else:
@@ -82,7 +113,8 @@ def _compile(ttir: str, target: str, num_warps: int, num_stages: int):
 
 
 def kda_kernels():
-    """(name, fn, args, [(num_warps, num_stages) per pallas_call]) at one TP8 rank's K3 shapes."""
+    """(name, fn, args, [(num_warps, num_stages[, loop trips]) per pallas_call]) at one TP8
+    rank's K3 shapes."""
     from kernels_pallas.kda.chunk_pallas import ChunkConfig, kda_chunk_pallas, resolve_config
     from kernels_pallas.kda.decode import kda_decode_pallas
     from kernels_pallas.kda.verify import kda_verify_pallas
@@ -96,12 +128,16 @@ def kda_kernels():
         fn = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
                                                        use_qk_l2norm=True, config=cfg,
                                                        safe_gate=True)
-        inter = ([(cfg.num_warps_inter, cfg.num_stages_inter), (cfg.num_warps_inverse, 1)]
-                 if cfg.split_inverse else [(cfg.num_warps_inter, cfg.num_stages_inter)])
-        launches = ([(cfg.num_warps_diag, cfg.num_stages_diag)] + inter
-                    + [(cfg.num_warps_wu, cfg.num_stages_wu),
-                       (cfg.num_warps_state, cfg.num_stages_state),
-                       (cfg.num_warps_out, cfg.num_stages_out)])
+        # (num_warps, num_stages, trips of the launch's loop: for --sass)
+        inter_trips = K // cfg.block_k_inter
+        inter = ([(cfg.num_warps_inter, cfg.num_stages_inter, inter_trips),
+                  (cfg.num_warps_inverse, 1, 1)] if cfg.split_inverse
+                 else [(cfg.num_warps_inter, cfg.num_stages_inter, inter_trips)])
+        launches = ([(cfg.num_warps_diag, cfg.num_stages_diag, K // (cfg.diag_block_k or K))]
+                    + inter
+                    + [(cfg.num_warps_wu, cfg.num_stages_wu, K // cfg.block_wu),
+                       (cfg.num_warps_state, cfg.num_stages_state, T // 64),
+                       (cfg.num_warps_out, cfg.num_stages_out, K // (cfg.block_k_out or K))])
         return fn, chunk_args, launches
 
     P, Bd = H * K, 64
@@ -115,7 +151,8 @@ def kda_kernels():
     ver = lambda q, k, v, g, b, s: kda_verify_pallas(q, k, v, g, b, s, use_qk_l2norm=True)
     # the unrolled key-tile loops and split launch 2 (the default until 2026-12-01's pipelining)
     unrolled = ChunkConfig(diag_block_k=None, num_stages_diag=1, split_inverse=True,
-                           num_stages_inter=1, num_stages_wu=1, block_k_out=None)
+                           num_stages_inter=1, num_stages_wu=1, block_k_out=None,
+                           num_warps_inter=4, block_k_inter=32)
 
     def label(name, cfg):
         two = "offdiag, inverse" if cfg.split_inverse else "inter"
@@ -158,6 +195,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("groups", nargs="*", default=list(GROUPS))
     ap.add_argument("--targets", default="sm_90,gfx942,gfx950")
+    ap.add_argument("--sass", action="store_true",
+                    help="also print each sm_90 kernel's SASS opcode mix (loop bodies weighted "
+                         "by the launch's trip count where the group gives one, else once)")
     a = ap.parse_args()
     targets = a.targets.split(",")
     print(f"{'kernel':<58} {'target':<7} {'smem/LDS':>9} {'regs':>5} {'spill':>5}")
@@ -170,11 +210,17 @@ def main():
                     by_platform[platform] = triton_ir(fn, *args, platform=platform)
                 irs = by_platform[platform]
                 assert len(irs) == len(launches), (name, len(irs))
-                for i, (ttir, (nw, ns)) in enumerate(zip(irs, launches)):
+                for i, (ttir, (nw, ns, *trips)) in enumerate(zip(irs, launches)):
                     r = _compile(ttir, target, nw, ns)
                     label = f"{name} #{i} (w{nw} s{ns})" if len(irs) > 1 else f"{name} (w{nw} s{ns})"
                     print(f"{label:<58} {target:<7} {r['smem']:>9} {r['regs']!s:>5} {r['spill']!s:>5}",
                           flush=True)
+                    if a.sass and target.startswith("sm_"):
+                        mix = sass_mix(r["kernel"].asm["cubin"], trips[0] if trips else 1)
+                        total = sum(mix.values())
+                        print(f"    SASS per warp {total}, x {nw} warps = {total * nw}: "
+                              + " ".join(f"{op}:{mix[op]}" for op in SASS_OPS if mix[op]),
+                              flush=True)
 
 
 if __name__ == "__main__":

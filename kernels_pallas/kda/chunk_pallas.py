@@ -2,8 +2,8 @@
 
 Chunks of C = 64 tokens, sub-blocks of 16. Five launches, each small enough to stay in registers:
   1. `_diag_kernel_tiled` (chunk, b, h; the default) or `_diag_kernel` (whole rows,
-     `ChunkConfig.diag_block_k=None`): G, the in-chunk cumulative log-decay (g past `lengths` is
-     zeroed so G stays flat there); the 16x16 diagonal blocks of Aqk (incl. diagonal) and of
+     `ChunkConfig.diag_block_k=None`): G, the in-chunk cumulative log-decay in base 2 (g * log2 e
+     summed, so every decay below is one exp2; g past `lengths` is zeroed so G stays flat there); the 16x16 diagonal blocks of Aqk (incl. diagonal) and of
      L = beta * K K^T (strictly lower, with decay), fp32; the rows' inverse l2 norms. A block
      whose decay spans <= MATMUL_SPAN uses one matmul with G at its first row as reference (both
      factors stay in fp32 range); wider spans take the exact path, one exp per (row, column, key
@@ -52,6 +52,11 @@ C = 64          # chunk
 SB = 16         # sub-block
 NSB = C // SB   # sub-blocks per chunk
 MATMUL_SPAN = 80.0  # a sub-block whose decay spans more than this (natural log) takes the exact path
+# The launches carry G in base-2 units (log2 of the decay: g * LOG2E, summed), so each decay is
+# one exp2, a single MUFU.EX2 on NVIDIA; jnp.exp lowers to libdevice's expf, ~7 instructions
+# around the same MUFU (sm_90 SASS, upstream Triton 3.6). G never leaves the kernels.
+LOG2E = 1.4426950408889634
+SPAN2 = MATMUL_SPAN * LOG2E
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +66,26 @@ class ChunkConfig:
     split launch 2 with the product inverse (B8 T4096 H12 2.207 vs 2.690 ms fused; B1 T8192 H96
     4.280 vs 5.299; B1 T32768 H16 3.441 vs 4.058); on 2026-12-01 a per-launch sweep (64-column
     scan, 128-column out, bf16x3 inverse at 4 warps: 1.991 / 3.864 / 2.944 ms); later that day the
-    key-tile loops as pipelined device loops (B8 T4096 H12: 1.628 ms)."""
-    block_k_inter: int = 32
+    key-tile loops as pipelined device loops (B8 T4096 H12: 1.628 ms); in the evening 1 warp for
+    the diagonal launch and launch 2, and exp2 decays (1.270 ms; FLA 1.465 in the same call)."""
+    # launch 2's key tile: 16 at 1 warp (32 keys at 1 warp spill 440 B a thread offline)
+    block_k_inter: int = 16
     block_v_state: int | None = None   # None: `_pick_block_v`
     # 128: q, G and A are read once per chunk instead of once per V tile (H200, B8 T4096 H12,
     # 2026-12-01: out 0.208 vs 0.310 ms at 64)
     block_v_out: int = 128
-    # None: 2 for the key-tiled launch (0.460 ms vs 0.564 at 4 warps, 2 stages), 4 for the
-    # whole-row one (its measured setting; 1, 2 and 8 were slower there, 2026-12-01)
+    # Few warps: a 16x16 dot's accumulator is replicated on every warp past the first two, so
+    # at 4 warps each warp redoes the whole inverse and its layout conversions (offline sm_90
+    # SASS, launch 2: 31.8K warp-instructions a program at 4 warps, 18.2K at 2). FLA's autotuner
+    # picks 1 warp for its matching kernels on the H200.
+    # None: 1 for the key-tiled launch (H200, B8 T4096 H12, 2026-12-01 evening: 0.343 ms; 2
+    # warps 0.455, 4 warps 0.585), 4 for the whole-row one (its measured setting; 1, 2 and 8
+    # were slower there, 2026-12-01)
     num_warps_diag: int | None = None
-    num_warps_inter: int = 4     # launch 2, fused or split (8 warps, fused: 1.068 ms vs 0.513)
+    # launch 2, fused or split: 1 warp with 16-key tiles 0.284 ms (FLA's inter+solve 0.300 in
+    # the same call; 4 stages 0.302); 2 warps with 32 keys 0.331; 4 warps 0.501 (8 warps,
+    # fused: 1.068 vs 0.513 at 4 in an earlier call)
+    num_warps_inter: int = 1
     num_warps_wu: int = 4
     num_warps_state: int = 4
     num_stages_state: int = 2
@@ -151,23 +166,23 @@ def _masked(ref, rows, cols, valid, scale=None):
 
 def _gate_q(q, G, scale):
     """Out's Q operand in fp32, scale Q exp(G), from masked (normalised) q and its G."""
-    return q * jnp.exp(G) * scale
+    return q * jnp.exp2(G) * scale
 
 
 def _gate_w(k, G, beta):
     """W's K operand in fp32, beta K exp(G), from masked (normalised) k and its G."""
-    return beta[:, None] * k * jnp.exp(G)
+    return beta[:, None] * k * jnp.exp2(G)
 
 
 def _gate_kg(k, G, GC):
     """The state update's K operand in fp32, Kg = K exp(G_C - G) (G_C: G at the chunk's end)."""
-    return k * jnp.exp(GC[None, :] - G)
+    return k * jnp.exp2(GC[None, :] - G)
 
 
 def _gate_block(g_ref, rows, vm):
     """A sub-block's g, zero past `length` (so G stays flat there), and its in-block cumsum.
     rows: the sub-block's rows (all columns), or a (rows, columns) pair."""
-    g = jnp.where(vm, g_ref[rows if isinstance(rows, tuple) else (rows, slice(None))], 0.0)
+    g = jnp.where(vm, g_ref[rows if isinstance(rows, tuple) else (rows, slice(None))] * LOG2E, 0.0)
     return g, jnp.cumsum(g, axis=0)
 
 
@@ -182,7 +197,7 @@ def _exact_blocks(q, k, G, acc):
 
     def col(j, acc):
         aq, ak = acc
-        kE = _row(k, j, SB)[None, :] * jnp.exp(jnp.minimum(G - _row(G, j, SB)[None, :], 0.0))
+        kE = _row(k, j, SB)[None, :] * jnp.exp2(jnp.minimum(G - _row(G, j, SB)[None, :], 0.0))
         return (aq + jnp.where(ci == j, jnp.sum(q * kE, axis=1)[:, None], 0.0),
                 ak + jnp.where(ci == j, jnp.sum(k * kE, axis=1)[:, None], 0.0))
     return jax.lax.fori_loop(0, SB, col, acc)
@@ -206,7 +221,7 @@ def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_
         G = cs + carry[None, :]
         # G at the block's first row, from that row's g loaded again (a cached [K] load instead
         # of a masked reduction over the block's rows); zero past `length` like `_gate_block`
-        G0 = carry + jnp.where(n * C + i * SB < length, g_ref[i * SB, :], 0.0)
+        G0 = carry + jnp.where(n * C + i * SB < length, g_ref[i * SB, :] * LOG2E, 0.0)
         carry = carry + jnp.sum(g, axis=0)
         G_ref[rows, :] = G
         q = jnp.where(vm, q_ref[rows, :].astype(F32), 0.0)
@@ -223,8 +238,8 @@ def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_
         def by_matmul(_, q=q, k=k, G=G, G0=G0):
             # exp(G_r - G_j) = exp(G_r - G_0) exp(G_0 - G_j): within fp32 range while the
             # block's decay spans <= MATMUL_SPAN (checked below, or promised by safe_gate)
-            ek = k * jnp.exp(G0[None, :] - G)
-            eq = jnp.exp(G - G0[None, :])
+            ek = k * jnp.exp2(G0[None, :] - G)
+            eq = jnp.exp2(G - G0[None, :])
             return (_dot(q * eq, ek, prec_mm, trans_b=True),
                     _dot(k * eq, ek, prec_mm, trans_b=True))
 
@@ -236,7 +251,7 @@ def _diag_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_ref, rq_
             aq, ak = by_matmul(None)
         else:
             span = jnp.max(G0 - carry)                 # carry is now G at the block's last row
-            aq, ak = jax.lax.cond(span <= MATMUL_SPAN, by_matmul, exact, None)
+            aq, ak = jax.lax.cond(span <= SPAN2, by_matmul, exact, None)
         beta = beta_of(rows, valid)
         aq_ref[rows, :] = jnp.where(ri >= ci, aq * scale, 0.0)
         ak_ref[rows, :] = jnp.where(ri > ci, ak * beta[:, None], 0.0)
@@ -269,15 +284,15 @@ def _diag_kernel_tiled(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_re
             vm = valid[i][:, None]
             g, cs = _gate_block(g_ref, (rows[i], cols), vm)
             G = cs + carry[None, :]
-            G0 = carry + jnp.where(n * C + i * SB < length, g_ref[i * SB, cols], 0.0)
+            G0 = carry + jnp.where(n * C + i * SB < length, g_ref[i * SB, cols] * LOG2E, 0.0)
             carry = carry + jnp.sum(g, axis=0)
             G_ref[rows[i], cols] = G
             q = jnp.where(vm, q_ref[rows[i], cols].astype(F32), 0.0)
             k = jnp.where(vm, k_ref[rows[i], cols].astype(F32), 0.0)
             ssq_q[i] = ssq_q[i] + jnp.sum(q * q, axis=1)
             ssq_k[i] = ssq_k[i] + jnp.sum(k * k, axis=1)
-            eq = jnp.exp(G - G0[None, :])              # as in `_diag_kernel`'s by_matmul
-            ek = k * jnp.exp(G0[None, :] - G)
+            eq = jnp.exp2(G - G0[None, :])              # as in `_diag_kernel`'s by_matmul
+            ek = k * jnp.exp2(G0[None, :] - G)
             aq[i] = aq[i] + _dot(q * eq, ek, prec_mm, trans_b=True)
             ak[i] = ak[i] + _dot(k * eq, ek, prec_mm, trans_b=True)
             if not safe_gate:
@@ -310,7 +325,7 @@ def _diag_kernel_tiled(len_ref, q_ref, k_ref, g_ref, b_ref, G_ref, aq_ref, ak_re
                     k = jnp.where(vm, k_ref[rows[i], cols].astype(F32), 0.0) * rk[:, None]
                     acc = _exact_blocks(q, k, cs, acc)
                 return acc
-            aqi, aki = jax.lax.cond(span[i] <= MATMUL_SPAN, lambda _, a=(aqi, aki): a, exact, None)
+            aqi, aki = jax.lax.cond(span[i] <= SPAN2, lambda _, a=(aqi, aki): a, exact, None)
         beta = jnp.where(valid[i], b_ref[rows[i]].astype(F32), 0.0)
         aq_ref[rows[i], :] = jnp.where(ri >= ci, aqi * scale, 0.0)
         ak_ref[rows[i], :] = jnp.where(ri > ci, aki * beta[:, None], 0.0)
@@ -340,11 +355,11 @@ def _offdiag_blocks(n, length, q_ref, k_ref, G_ref, rq_ref, rk_ref, block_k, pre
         Gs = [G_ref[rows[i], cols] for i in range(NSB)]
         for i in range(1, NSB):
             gn = G_ref[i * SB, cols][None, :]         # G at block i's first row
-            e = jnp.exp(Gs[i] - gn)                   # <= 1
+            e = jnp.exp2(Gs[i] - gn)                   # <= 1
             qe = _masked(q_ref, rows[i], cols, valid[i], rq[i]) * e
             ke = ks[i] * e
             for j in range(i):
-                kt_j = ks[j] * jnp.exp(gn - Gs[j])    # <= 1
+                kt_j = ks[j] * jnp.exp2(gn - Gs[j])    # <= 1
                 Aq[i, j] = Aq[i, j] + _dot(qe, kt_j, prec_mm, trans_b=True)
                 Ak[i, j] = Ak[i, j] + _dot(ke, kt_j, prec_mm, trans_b=True)
         return [Aq[ij] for ij in pairs], [Ak[ij] for ij in pairs]
@@ -498,7 +513,7 @@ def _wu_kernel(len_ref, k_ref, v_ref, G_ref, b_ref, rk_ref, t_ref, w_ref, u_ref,
         GC = G_ref[C - 1, cols]                       # decay to the chunk's end (g masked: flat)
         w_ref[:, cols] = _dot(T, _gate_w(k, G, beta).astype(op_dtype), prec_mm).astype(w_ref.dtype)
         kg_ref[:, cols] = _gate_kg(k, G, GC).astype(kg_ref.dtype)
-        ec_ref[cols] = jnp.exp(GC)
+        ec_ref[cols] = jnp.exp2(GC)
         return _
 
     def v_tile(ct, _):
@@ -754,7 +769,10 @@ def _group_starts(P, Q, h0, groups):
     def step(S, pq):
         Pg, Qg = pq
         return jnp.einsum("bhkl,bhlv->bhkv", Pg, S, precision=HIGHEST) + Qg, S
-    final, starts = jax.lax.scan(step, h0, (P, Q))
+    # unrolled: straight-line batched matmuls instead of a device while loop, whose predicate
+    # XLA copies back every step (memcpy32_post in the profile). Small: B1 T32768 H16 on the
+    # H200, kernels 2.06 -> 2.04 ms (two calls, not a controlled comparison)
+    final, starts = jax.lax.scan(step, h0, (P, Q), unroll=True)
     return starts.swapaxes(0, 1).reshape(BG, H, K, V), final
 
 
@@ -805,7 +823,7 @@ def resolve_config(config: ChunkConfig, K: int, V: int) -> ChunkConfig:
         config, block_k_inter=min(config.block_k_inter, K),
         block_k_out=None if config.block_k_out is None else min(config.block_k_out, K),
         diag_block_k=min(config.diag_block_k, K) if tiled else None,
-        num_warps_diag=config.num_warps_diag or (2 if tiled else 4))
+        num_warps_diag=config.num_warps_diag or (1 if tiled else 4))
     tiles = {"block_k_inter": (cfg.block_k_inter, K), "block_v_out": (min(cfg.block_v_out, V), V),
              "block_wu": (min(cfg.block_wu, K), K), "block_wu ": (min(cfg.block_wu, V), V)}
     if cfg.block_k_out is not None:
