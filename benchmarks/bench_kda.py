@@ -211,8 +211,13 @@ def fla_autotuned() -> dict:
         if not getattr(mod, "__name__", "").startswith("fla."):
             continue
         for name, obj in list(vars(mod).items()):
-            while obj is not None and not isinstance(obj, Autotuner):
-                obj = getattr(obj, "fn", None) if not isinstance(obj, type) else None
+            for _ in range(4):  # heuristics / jit wrappers around the autotuner, a few deep
+                if obj is None or isinstance(obj, (Autotuner, type)):
+                    break
+                try:
+                    obj = getattr(obj, "fn", None)
+                except Exception:  # a module attribute whose `fn` is a property that raises
+                    obj = None
             if isinstance(obj, Autotuner) and getattr(obj, "cache", None):
                 seen[f"{mod.__name__}.{name}"] = {str(k): str(v) for k, v in obj.cache.items()}
     return seen

@@ -89,12 +89,13 @@ def sass_mix(cubin: bytes, loop_trips: int) -> collections.Counter:
             continue
         addr = int(m.group(1), 16)
         ins.append((addr, m.group(2)))
-        back = re.search(r"BRA\s+0x([0-9a-f]+)", m.group(2) + m.group(3))
+        back = re.search(r"BRA(?:\.\w+)*\s+0x([0-9a-f]+)", m.group(2) + m.group(3))
         if back and int(back.group(1), 16) < addr:
             loops.append((int(back.group(1), 16), addr))
-    return collections.Counter({op: 0 for op in SASS_OPS}) + collections.Counter(
-        op for addr, op in ins
-        for _ in range(loop_trips if any(lo <= addr <= hi for lo, hi in loops) else 1))
+    mix = collections.Counter()
+    for addr, op in ins:
+        mix[op] += loop_trips if any(lo <= addr <= hi for lo, hi in loops) else 1
+    return mix
 
 
 def _compile(ttir: str, target: str, num_warps: int, num_stages: int):

@@ -3,11 +3,11 @@
 Chunks of C = 64 tokens, sub-blocks of 16. Five launches, each small enough to stay in registers:
   1. `_diag_kernel_tiled` (chunk, b, h; the default) or `_diag_kernel` (whole rows,
      `ChunkConfig.diag_block_k=None`): G, the in-chunk cumulative log-decay in base 2 (g * log2 e
-     summed, so every decay below is one exp2; g past `lengths` is zeroed so G stays flat there); the 16x16 diagonal blocks of Aqk (incl. diagonal) and of
-     L = beta * K K^T (strictly lower, with decay), fp32; the rows' inverse l2 norms. A block
-     whose decay spans <= MATMUL_SPAN uses one matmul with G at its first row as reference (both
-     factors stay in fp32 range); wider spans take the exact path, one exp per (row, column, key
-     dim). `safe_gate=True` (the caller promises g >= -5 per token, K3's bounded gate) skips the
+     summed, so every decay below is one exp2; g past `lengths` is zeroed so G stays flat there);
+     the 16x16 diagonal blocks of Aqk (incl. diagonal) and of L = beta * K K^T (strictly lower,
+     with decay), fp32; the rows' inverse l2 norms. A block whose decay spans <= MATMUL_SPAN
+     (natural log) uses one matmul with G at its first row as reference (both factors stay in
+     fp32 range); wider spans take the exact path, one exp2 per (row, column, key dim). `safe_gate=True` (the caller promises g >= -5 per token, K3's bounded gate) skips the
      check. The tiled form loops over key tiles of `diag_block_k` on the device.
   2. `_inter_kernel`  (chunk, b, h): the off-diagonal 16x16 blocks (reference: the cumulative decay
      at the first row of the later block, so both factors are <= 1 for any gate), looping over key
@@ -191,8 +191,9 @@ def _gate_block(g_ref, rows, vm):
 # ----------------------------------------------------------------------------------------------
 def _exact_blocks(q, k, G, acc):
     """acc + the diagonal block's Q K^T and K K^T (all columns; the caller masks the upper
-    triangle) over these key columns, one exp per (row, column, key): exp(min(G_r - G_j, 0)) is
-    exact for rows r >= j at any decay span. q, k, G [SB, X] fp32; acc: two [SB, SB]."""
+    triangle) over these key columns, one exp2 per (row, column, key): exp2(min(G_r - G_j, 0))
+    (G in base 2) is exact for rows r >= j at any decay span. q, k, G [SB, X] fp32; acc: two
+    [SB, SB]."""
     ci = jax.lax.broadcasted_iota(jnp.int32, (SB, SB), 1)
 
     def col(j, acc):
@@ -769,10 +770,11 @@ def _group_starts(P, Q, h0, groups):
     def step(S, pq):
         Pg, Qg = pq
         return jnp.einsum("bhkl,bhlv->bhkv", Pg, S, precision=HIGHEST) + Qg, S
-    # unrolled: straight-line batched matmuls instead of a device while loop, whose predicate
-    # XLA copies back every step (memcpy32_post in the profile). Small: B1 T32768 H16 on the
-    # H200, kernels 2.06 -> 2.04 ms (two calls, not a controlled comparison)
-    final, starts = jax.lax.scan(step, h0, (P, Q), unroll=True)
+    # unrolled (up to 16 steps at a time): straight-line batched matmuls instead of a device
+    # while loop, whose predicate XLA copies back every step (memcpy32_post in the profile).
+    # Small: B1 T32768 H16 on the H200, kernels 2.06 -> 2.04 ms (two calls, not a controlled
+    # comparison). The cap keeps a large user-set scan_groups from unrolling hundreds of steps.
+    final, starts = jax.lax.scan(step, h0, (P, Q), unroll=min(groups, 16))
     return starts.swapaxes(0, 1).reshape(BG, H, K, V), final
 
 
