@@ -237,18 +237,9 @@ def chunk_configs():
     always runs first, as cfg0; values that are not integers are passed as strings; bool fields
     take 0/1 or false/true). Every config is checked against the reference (correctness) and
     timed (prefill)."""
-    import dataclasses
     from kernels_pallas.kda.chunk_pallas import ChunkConfig
-    bools = {f.name for f in dataclasses.fields(ChunkConfig) if isinstance(f.default, bool)}
-
-    def as_bool(name, v):  # a string "False" would be truthy
-        if str(v).lower() not in ("0", "1", "false", "true"):
-            raise ValueError(f"BENCH_CHUNK_CONFIGS: {name}={v!r} is not 0/1/false/true")
-        return str(v).lower() in ("1", "true")
-    cfgs = [ChunkConfig()]
-    for item in filter(None, os.environ.get("BENCH_CHUNK_CONFIGS", "").split(";")):
-        cfgs.append(ChunkConfig(**{k: as_bool(k, v) if k in bools else v
-                                   for k, v in overrides(item).items()}))
+    cfgs = [ChunkConfig()] + [ChunkConfig.from_overrides(item) for item in
+                              filter(None, os.environ.get("BENCH_CHUNK_CONFIGS", "").split(";"))]
     RES["chunk_configs"] = [str(c) for c in cfgs]
     return cfgs
 

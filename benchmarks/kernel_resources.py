@@ -10,6 +10,8 @@ identical.
   python3 -m pip install triton==3.6.0     # CPU machine; no GPU needed
   PYTHONPATH=. python3 benchmarks/kernel_resources.py [kda] [mla] [--targets sm_90,gfx942,gfx950]
   PYTHONPATH=. python3 benchmarks/kernel_resources.py kda --sass   # + SASS opcode mix (sm_90)
+  PYTHONPATH=. python3 benchmarks/kernel_resources.py kda --sass --targets sm_90 \
+      --kda-configs "num_warps_inter=2;num_warps_inter=4,block_k_inter=32"   # configs side by side
 """
 from __future__ import annotations
 
@@ -113,9 +115,12 @@ def _compile(ttir: str, target: str, num_warps: int, num_stages: int):
     return out
 
 
+KDA_CONFIGS: list[str] = []  # --kda-configs: more chunk configs (ChunkConfig.from_overrides)
+
+
 def kda_kernels():
     """(name, fn, args, [(num_warps, num_stages[, loop trips]) per pallas_call]) at one TP8
-    rank's K3 shapes."""
+    rank's K3 shapes; the chunk's default, its unrolled form and any --kda-configs."""
     from kernels_pallas.kda.chunk_pallas import ChunkConfig, kda_chunk_pallas, resolve_config
     from kernels_pallas.kda.decode import kda_decode_pallas
     from kernels_pallas.kda.verify import kda_verify_pallas
@@ -158,7 +163,9 @@ def kda_kernels():
     def label(name, cfg):
         two = "offdiag, inverse" if cfg.split_inverse else "inter"
         return f"kda_chunk {name} [diag, {two}, wu, state, out]"
-    return [(label("default", ChunkConfig()), *chunk(ChunkConfig())),
+    extra = [(label(item, ChunkConfig.from_overrides(item)),
+              *chunk(ChunkConfig.from_overrides(item))) for item in KDA_CONFIGS]
+    return [(label("default", ChunkConfig()), *chunk(ChunkConfig())), *extra,
             (label("unrolled (before 12-01 pm)", unrolled), *chunk(unrolled)),
             ("kda_decode B64 H12", dec, dec_args, [(4, 1)]),
             ("kda_verify B1 T4 H12", ver, ver_args, [(2, 1)])]
@@ -199,7 +206,10 @@ def main():
     ap.add_argument("--sass", action="store_true",
                     help="also print each sm_90 kernel's SASS opcode mix (loop bodies weighted "
                          "by the launch's trip count where the group gives one, else once)")
+    ap.add_argument("--kda-configs", default="",
+                    help='more KDA chunk configs, e.g. "num_warps_inter=2;block_k_inter=32"')
     a = ap.parse_args()
+    KDA_CONFIGS.extend(filter(None, a.kda_configs.split(";")))
     targets = a.targets.split(",")
     print(f"{'kernel':<58} {'target':<7} {'smem/LDS':>9} {'regs':>5} {'spill':>5}")
     for group in a.groups:

@@ -135,6 +135,24 @@ class ChunkConfig:
     num_stages_out: int = 2
     block_k_out: int | None = 32
 
+    @classmethod
+    def from_overrides(cls, item: str) -> "ChunkConfig":
+        """"a=1,b=x,c=None" -> the default config with those fields replaced: integers where
+        they parse, None for "None", 0/1/true/false for bool fields, strings otherwise (the
+        benchmarks' config strings, e.g. BENCH_CHUNK_CONFIGS)."""
+        bools = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool)}
+        kw = {}
+        for pair in filter(None, item.split(",")):
+            name, _, val = pair.partition("=")
+            if name in bools:
+                if val.lower() not in ("0", "1", "false", "true"):
+                    raise ValueError(f"ChunkConfig {name}={val!r}: 0/1/false/true")
+                kw[name] = val.lower() in ("1", "true")
+            else:
+                kw[name] = (None if val.lower() == "none" else
+                            int(val) if val.lstrip("-").isdigit() else val)
+        return cls(**kw)
+
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
