@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 from kernels_pallas.kda import (kda_chunk, kda_chunk_reference, kda_decode, kda_gate,  # noqa: E402
                                 kda_recurrent, kda_verify)
 from kernels_pallas.kda.decode import kda_decode_pallas, kda_decode_reference  # noqa: E402
+from config_strings import chunk_config, parse_overrides  # noqa: E402
 from kernel_timer import kernel_times  # noqa: E402
 
 T0 = time.time()
@@ -223,14 +224,6 @@ def fla_autotuned() -> dict:
     return seen
 
 
-def overrides(item: str) -> dict:
-    """"a=1,b=x,c=None" -> {"a": 1, "b": "x", "c": None} (integers where they parse as such;
-    "None" for fields whose None means something, e.g. diag_block_k=None: whole rows)."""
-    kv = dict(pair.split("=") for pair in item.split(","))
-    return {k: int(v) if v.lstrip("-").isdigit() else None if v.lower() == "none" else v
-            for k, v in kv.items()}
-
-
 def chunk_configs():
     """BENCH_CHUNK_CONFIGS: ';'-separated ChunkConfig overrides, e.g.
     "block_k_inter=64,num_warps_inter=8;diag_block_k=None" (the default config
@@ -238,7 +231,7 @@ def chunk_configs():
     take 0/1 or false/true). Every config is checked against the reference (correctness) and
     timed (prefill)."""
     from kernels_pallas.kda.chunk_pallas import ChunkConfig
-    cfgs = [ChunkConfig()] + [ChunkConfig.from_overrides(item) for item in
+    cfgs = [ChunkConfig()] + [chunk_config(item) for item in
                               filter(None, os.environ.get("BENCH_CHUNK_CONFIGS", "").split(";"))]
     RES["chunk_configs"] = [str(c) for c in cfgs]
     return cfgs
@@ -420,7 +413,7 @@ def decode(shapes):
         state_bytes = 2 * B * H * K * K * 4
         variants = {}
         for item in filter(None, os.environ.get("BENCH_DECODE_VARIANTS", "").split(";")):
-            kw = overrides(item)
+            kw = parse_overrides(item)
             us_v = decode_loop_us(a, H, n, **kw)
             vo, _, vs = kda_decode_pallas(**{n_: x.copy() for n_, x in a.items()}, num_heads=H,
                                           lower_bound=-5.0, **kw)

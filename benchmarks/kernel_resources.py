@@ -115,7 +115,7 @@ def _compile(ttir: str, target: str, num_warps: int, num_stages: int):
     return out
 
 
-KDA_CONFIGS: list[str] = []  # --kda-configs: more chunk configs (ChunkConfig.from_overrides)
+KDA_CONFIGS: list[str] = []  # --kda-configs: more chunk configs (config_strings.chunk_config)
 
 
 def kda_kernels():
@@ -163,8 +163,8 @@ def kda_kernels():
     def label(name, cfg):
         two = "offdiag, inverse" if cfg.split_inverse else "inter"
         return f"kda_chunk {name} [diag, {two}, wu, state, out]"
-    extra = [(label(item, ChunkConfig.from_overrides(item)),
-              *chunk(ChunkConfig.from_overrides(item))) for item in KDA_CONFIGS]
+    from config_strings import chunk_config
+    extra = [(label(item, chunk_config(item)), *chunk(chunk_config(item))) for item in KDA_CONFIGS]
     return [(label("default", ChunkConfig()), *chunk(ChunkConfig())), *extra,
             (label("unrolled (before 12-01 pm)", unrolled), *chunk(unrolled)),
             ("kda_decode B64 H12", dec, dec_args, [(4, 1)]),

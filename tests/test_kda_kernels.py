@@ -325,16 +325,3 @@ def test_chunk_diag_block_k(dt, bounded, safe, l2, lengths, gscale):
         with pytest.raises(ValueError, match=f"{name}={t} .*must divide"):
             run(**{name: t})
 
-
-def test_chunk_config_from_overrides():
-    """The benchmarks' config strings: integers, None, strings and strict booleans."""
-    cfg = ChunkConfig.from_overrides("num_warps_inter=2,diag_block_k=None,split_inverse=1,"
-                                     "inverse_precision=tf32")
-    assert (cfg.num_warps_inter, cfg.diag_block_k, cfg.split_inverse, cfg.inverse_precision) == (
-        2, None, True, "tf32")
-    assert ChunkConfig.from_overrides("split_inverse=false").split_inverse is False
-    assert ChunkConfig.from_overrides("") == ChunkConfig()
-    with pytest.raises(ValueError, match="split_inverse"):
-        ChunkConfig.from_overrides("split_inverse=False0")
-    with pytest.raises(TypeError):
-        ChunkConfig.from_overrides("no_such_field=1")

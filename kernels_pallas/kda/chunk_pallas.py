@@ -7,7 +7,8 @@ Chunks of C = 64 tokens, sub-blocks of 16. Five launches, each small enough to s
      the 16x16 diagonal blocks of Aqk (incl. diagonal) and of L = beta * K K^T (strictly lower,
      with decay), fp32; the rows' inverse l2 norms. A block whose decay spans <= MATMUL_SPAN
      (natural log) uses one matmul with G at its first row as reference (both factors stay in
-     fp32 range); wider spans take the exact path, one exp2 per (row, column, key dim). `safe_gate=True` (the caller promises g >= -5 per token, K3's bounded gate) skips the
+     fp32 range); wider spans take the exact path, one exp2 per (row, column, key dim).
+     `safe_gate=True` (the caller promises g >= -5 per token, K3's bounded gate) skips the
      check. The tiled form loops over key tiles of `diag_block_k` on the device.
   2. `_inter_kernel`  (chunk, b, h): the off-diagonal 16x16 blocks (reference: the cumulative decay
      at the first row of the later block, so both factors are <= 1 for any gate), looping over key
@@ -134,24 +135,6 @@ class ChunkConfig:
     block_wu: int = 64           # the W/U launch's column tile
     num_stages_out: int = 2
     block_k_out: int | None = 32
-
-    @classmethod
-    def from_overrides(cls, item: str) -> "ChunkConfig":
-        """"a=1,b=x,c=None" -> the default config with those fields replaced: integers where
-        they parse, None for "None", 0/1/true/false for bool fields, strings otherwise (the
-        benchmarks' config strings, e.g. BENCH_CHUNK_CONFIGS)."""
-        bools = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool)}
-        kw = {}
-        for pair in filter(None, item.split(",")):
-            name, _, val = pair.partition("=")
-            if name in bools:
-                if val.lower() not in ("0", "1", "false", "true"):
-                    raise ValueError(f"ChunkConfig {name}={val!r}: 0/1/false/true")
-                kw[name] = val.lower() in ("1", "true")
-            else:
-                kw[name] = (None if val.lower() == "none" else
-                            int(val) if val.lstrip("-").isdigit() else val)
-        return cls(**kw)
 
 
 def _is_pow2(n: int) -> bool:
