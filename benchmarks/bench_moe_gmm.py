@@ -75,6 +75,7 @@ no TP: the whole layer on one device.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -90,6 +91,7 @@ sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # kernel_timer
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from config_strings import parse_overrides  # noqa: E402
 from kernels_pallas.moe import mxfp4  # noqa: E402
 from kernels_pallas.moe.gmm import (DEQUANT_VARIANTS, GmmConfig, default_config,  # noqa: E402
                                     moe_gmm, moe_gmm_glu)
@@ -115,9 +117,14 @@ DECODE_SWEEP = [
     C(16, 128, 256, num_warps=4, num_stages=4, dequant="split_asm_t"),            # 3.18
     C(16, 128, 256, num_warps=8, num_stages=4, dequant="split_asm_t"),            # 3.48
     C(16, 256, 256, num_warps=8, num_stages=3, dequant="split_asm_t"),            # 3.14
+    # 64-row weight tiles (one warpgroup's m64: 123 registers, 4 programs per SM instead of 2)
+    # and 3 stages: ties on the TP8 slice (results_moe.md run 7); bn64 bk512 s3 and bn64 s6 were
+    # 8-15% slower there and are out of the sweep
+    C(16, 64, 256, num_warps=4, num_stages=4, dequant="split_asm_t"),             # 3.55
+    C(16, 128, 256, num_warps=4, num_stages=3, dequant="split_asm_t"),            # 3.18
 ]
 # at 512 tokens (9 rows per expert): the baseline and the variants' best guesses only
-DECODE_SWEEP_512 = [DECODE_SWEEP[i] for i in (0, 2, 3, 4, 6, 8, 10, 11)]
+DECODE_SWEEP_512 = [DECODE_SWEEP[i] for i in (0, 2, 3, 4, 6, 8, 10, 11, 13, 14)]
 BF16_DECODE = {64: C(16, 256, 128, num_warps=8, num_stages=4),
                512: C(32, 128, 128, block_m_small=16, num_warps=4, num_stages=4)}
 PREFILL_SWEEP = [
@@ -665,6 +672,10 @@ def ours_case(fn, args, y_ref, flop, wbytes, ceil, cfg_name, cpu, tol=1e-2):
     return ent
 
 
+MXFP4_EXTRA = [(item.partition(":")[0], parse_overrides(item.partition(":")[2]))
+               for item in filter(None, os.environ.get("BENCH_LAYER_MXFP4_EXTRA", "").split(";"))]
+
+
 def layer_gmm_section(run, ctx, token_list, shapes, table):
     """Whole-layer (and TP8 down-slice) grouped matmuls, bf16 and MXFP4, ours (moe_gmm with its
     default config) vs torch._grouped_mm on the dequantised weights, same inputs. Per shape the
@@ -744,12 +755,18 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
             y = peers.get(t)
             return None if y is None else moe_glu_ref(y[:, : N // 2], y[:, N // 2:], GLU_ACT)
 
-        # 2. ours, MXFP4 (plain; gate_up: also fused on the halves)
+        # 2. ours, MXFP4 (plain; gate_up: also fused on the halves); BENCH_LAYER_MXFP4_EXTRA
+        #    ("name:block_n=64;...") also times the default config with those fields replaced
         for t, c in cases.items():
             m = t * TOPK
+            base = default_config(m, G, K, N, True, platform=plat)
             ours(t, "mxfp4", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
-                 (c["x"], wq, c["gs"]), default_config(m, G, K, N, True, platform=plat),
-                 peers.get(t))
+                 (c["x"], wq, c["gs"]), base, peers.get(t))
+            for name, kw in MXFP4_EXTRA:
+                cfg = dataclasses.replace(base, **kw)
+                ours(t, f"mxfp4_{name}", lambda a, b, g, cfg=cfg: moe_gmm(
+                    a, b, g, backend=backend, config=cfg), (c["x"], wq, c["gs"]), cfg,
+                    peers.get(t))
             if fused:
                 ours(t, "glu_mxfp4", lambda a, b1, b3, g: moe_gmm_glu(
                     a, b1, b3, g, activation=GLU_ACT, backend=backend, fuse=True),
