@@ -9,6 +9,9 @@ not the weights; nothing here is checked for correctness, by design), on the H20
          with a shift-free mask)
   none   two register moves (ptxas may drop them): no nibble decode at all; the scale multiply,
          the wgmma and the loads remain
+  cheap2, none2  the same with different code for the low and high nibbles ("cheap" and "none"
+         use one string for both, which the compiler merges into one operand for both dots)
+PROBE_TOKENS="64" limits the token counts (default 64,512).
 
 Shapes: 896 experts, top-16 random routing; the TP8 gate+up slice (K 3584, N 768) and the whole
 layer's gate+up (N 6144) at 64 and 512 tokens; GPU kernel time of moe_gmm (kernel_timer.py),
@@ -37,6 +40,14 @@ STAND_INS = {
     "cheap": lambda half: ("{\n.reg .b32 t;\nprmt.b32 t, $2, 0, 0x4140;\nand.b32 $0, t, 0x81C081C0;\n"
                            "prmt.b32 t, $2, 0, 0x4342;\nand.b32 $1, t, 0x81C081C0;\n}"),
     "none": lambda half: "mov.b32 $0, $2;\nmov.b32 $1, $2;",
+    # the same costs with different low / high code, so the two are not merged into one operand
+    "cheap2": lambda half: ("{\n.reg .b32 t;\n"
+                            f"prmt.b32 t, $2, 0, {'0x4140' if half == 'lo' else '0x4041'};\n"
+                            "and.b32 $0, t, 0x81C081C0;\n"
+                            f"prmt.b32 t, $2, 0, {'0x4342' if half == 'lo' else '0x4243'};\n"
+                            "and.b32 $1, t, 0x81C081C0;\n}"),
+    "none2": lambda half: ("mov.b32 $0, $2;\nmov.b32 $1, $2;" if half == "lo" else
+                           "not.b32 $0, $2;\nnot.b32 $1, $2;"),
 }
 
 
@@ -66,7 +77,7 @@ def main():
     rng = np.random.default_rng(0)
     for n in (768, 6144):
         w = rand_mxfp4_device(jax.random.key(n), G, n, K)
-        for tokens in (64, 512):
+        for tokens in [int(t) for t in os.environ.get("PROBE_TOKENS", "64,512").split(",")]:
             gs_np = routing(rng, tokens, G, topk)
             gs = jnp.asarray(gs_np)
             x = jax.random.normal(jax.random.key(tokens), (tokens * topk, K), jnp.bfloat16)
