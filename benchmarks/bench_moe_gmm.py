@@ -33,7 +33,9 @@ layer_gmm,layer):
            N 3584); MXFP4 and bf16, ours with the config moe_gmm picks itself (default_config,
            printed per row) vs torch._grouped_mm on the dequantised bf16 weights; gate_up also as
            the fused kernel on the two halves (moe_gmm_glu(fuse=True), SiTU: rows glu_*, checked
-           against the SiTU of torch's two halves; the layer's default is the unfused form). Times: GPU kernel time from the profiler
+           against the SiTU of torch's two halves; the layer's default is the unfused form).
+           BENCH_LAYER_MXFP4_EXTRA="bn64:block_n=64;..." also times the MXFP4 rows with the default
+           config's fields replaced (benchmarks/config_strings.py syntax). Times: GPU kernel time from the profiler
            (benchmarks/kernel_timer.py) for ours (every kernel of the call; moe_gmm's own listed
            too) and torch.
   layer    (opt-in) the full MoE layer, kimik3.layers.moe.moe_apply (router, sort / permute,
