@@ -5,7 +5,7 @@ kernel configurations x (16 heads; B 1 / 16 / 64; 32K / 128K; bf16 and fp8 cache
     (about 150 s: give the device call timeout_s 300. MLA_BENCH_BUDGET_S (default 140) stops
     starting new cases once that many seconds have passed since the start; the JSON lists the
     cases it skipped. MLA_BENCH_SHAPES="16x131072,1x32768" runs only those B x ctx shapes and
-    MLA_BENCH_CHECKS="12,13" runs only those checks (indices into CHECKS);
+    MLA_BENCH_CHECKS="0,3" runs only those checks (indices into CHECKS);
     MLA_BENCH_SKIP_CHECKS=1 leaves out the correctness checks, for a second call.)
     MLA_BENCH_DRY=1 ...     tiny interpret-mode run on CPU (checks the script, no timings)
     MLA_BENCH_LOWER=1 ...   lower every swept (shape, config) for CUDA on CPU through
@@ -326,7 +326,7 @@ CHECKS = [   # (B, Tq, H, lengths, dtype, scale kind, cfg, page size)
     (2, 1, 96, [5000, 77], "bf16", None, dict(block_h=32, block_k=64, num_warps=8,
                                                 num_stages=3), PAGE),
 ]
-# MLA_BENCH_CHECKS="12,13": only these checks (indices into CHECKS)
+# MLA_BENCH_CHECKS="0,3": only these checks (indices into CHECKS)
 _CHECK_IDS = os.environ.get("MLA_BENCH_CHECKS")
 for i, (B, Tq, H, lens, dt, sk, cfg, pg) in enumerate([] if SKIP_CHECKS else CHECKS):
     if _CHECK_IDS and str(i) not in _CHECK_IDS.split(","):

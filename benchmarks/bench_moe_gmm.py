@@ -121,7 +121,7 @@ DECODE_SWEEP = [
     C(16, 256, 256, num_warps=8, num_stages=3, dequant="split_asm_t"),            # 3.14
     # 64-row weight tiles (one warpgroup's m64: 123 registers, 4 programs per SM instead of 2)
     # and 3 stages: ties on the TP8 slice (results_moe.md run 7); bn64 bk512 s3 and bn64 s6 were
-    # 8-15% slower there and are out of the sweep
+    # 12-18% slower there and are out of the sweep
     C(16, 64, 256, num_warps=4, num_stages=4, dequant="split_asm_t"),             # 3.55
     C(16, 128, 256, num_warps=4, num_stages=3, dequant="split_asm_t"),            # 3.18
 ]
@@ -445,15 +445,20 @@ def dense_correctness(run, backend):
     run.done()
 
 
-def ceilings(run, cpu):
-    if cpu or not run.start("ceilings"):
-        return {"copy_TBps": float("nan"), "mm_TFLOPs": float("nan")}
+def torch_copy_tbps():
+    """The copy ceiling: torch device-to-device copy of 2 GiB, read + write bytes, TB/s."""
     import torch
     x = torch.empty(1 << 30, device="cuda", dtype=torch.bfloat16).normal_()
     y = torch.empty_like(x)
     ms = torch_wall(lambda: y.copy_(x), n=20)
-    copy = 2 * x.numel() * 2 / ms / 1e9
-    del x, y
+    return 2 * x.numel() * 2 / ms / 1e9
+
+
+def ceilings(run, cpu):
+    if cpu or not run.start("ceilings"):
+        return {"copy_TBps": float("nan"), "mm_TFLOPs": float("nan")}
+    import torch
+    copy = torch_copy_tbps()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = torch_wall(lambda: a @ b, n=20)

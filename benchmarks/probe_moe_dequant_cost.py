@@ -51,26 +51,10 @@ STAND_INS = {
 }
 
 
-def torch_copy_tbps(nbytes=2 << 30, reps=20):
-    """Device-to-device copy, read + write bytes per second (the ceiling the benches use)."""
-    import torch
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    s.record()
-    for _ in range(reps):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize()
-    return 2 * nbytes * reps / (s.elapsed_time(e) * 1e-3) / 1e12
-
-
 def main():
     if jax.default_backend() != "gpu":
         raise SystemExit("a GPU probe: run it on the H200 (the stand-ins are inline PTX)")
-    from bench_moe_gmm import rand_mxfp4_device, routing
+    from bench_moe_gmm import rand_mxfp4_device, routing, torch_copy_tbps
     copy = torch_copy_tbps()
     print(f"torch copy {copy:.2f} TB/s", flush=True)
     G, K, topk = 896, 3584, 16

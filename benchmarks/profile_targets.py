@@ -18,6 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))   # bench_moe_gmm
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -53,17 +54,14 @@ def run_mla(labels, B=16, ctx=32768, page=64):
 
 
 def run_moe(G=896, K=3584, N=768, tokens=64, topk=16):
+    from bench_moe_gmm import random_mxfp4, routing
     from kernels_pallas.moe.gmm import moe_gmm
-    from kernels_pallas.moe.reference import MXFP4Weight
-    rng = np.random.default_rng(0)
-    w = MXFP4Weight(jnp.asarray(rng.integers(0, 256, (G, N, K // 2), dtype=np.uint8)),
-                    jnp.asarray(rng.integers(120, 130, (G, N, K // 32), dtype=np.uint8)))
-    ids = np.stack([rng.choice(G, topk, replace=False) for _ in range(tokens)])
-    gs = jnp.asarray(np.bincount(ids.ravel(), minlength=G).astype(np.int32))
+    w = random_mxfp4(jax.random.key(0), G, N, K)
+    gs = jnp.asarray(routing(np.random.default_rng(0), tokens, G, topk))
     x = jax.random.normal(jax.random.key(1), (tokens * topk, K), jnp.bfloat16)
-    f = jax.jit(lambda x, gs: moe_gmm(x, w, gs))
+    f = jax.jit(lambda x, w, gs: moe_gmm(x, w, gs))
     for _ in range(3):
-        jax.block_until_ready(f(x, gs))
+        jax.block_until_ready(f(x, w, gs))
     print("moe: 3 runs", flush=True)
 
 
