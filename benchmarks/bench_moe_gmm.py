@@ -97,7 +97,7 @@ from config_strings import parse_overrides  # noqa: E402
 from kernels_pallas.moe import mxfp4  # noqa: E402
 from kernels_pallas.moe.gmm import (DEQUANT_VARIANTS, GmmConfig, default_config,  # noqa: E402
                                     moe_gmm, moe_gmm_glu)
-from kernels_pallas.moe.reference import MXFP4Weight  # noqa: E402
+from kernels_pallas.moe.reference import MXFP4Weight, pair_mxfp4  # noqa: E402
 from kernels_pallas.moe.reference import glu as moe_glu_ref  # noqa: E402
 
 # MXFP4 decode sweep. The first is the best config of the 2026-11-29 run (first dequantisation); the
@@ -762,6 +762,7 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
             y = peers.get(t)
             return None if y is None else moe_glu_ref(y[:, : N // 2], y[:, N // 2:], GLU_ACT)
 
+        wq_paired = pair_mxfp4(wq) if "paired" in ctx["layouts"] else None
         # 2. ours, MXFP4 (plain; gate_up: also fused on the halves); BENCH_LAYER_MXFP4_EXTRA
         #    ("name:block_n=64;...") also times the default config with those fields replaced
         for t, c in cases.items():
@@ -769,6 +770,10 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
             base = default_config(m, G, K, N, True, platform=plat)
             ours(t, "mxfp4", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
                  (c["x"], wq, c["gs"]), base, peers.get(t))
+            if "paired" in ctx["layouts"]:
+                ours(t, "mxfp4_paired", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
+                     (c["x"], wq_paired, c["gs"]), default_config(m, G, K, N, True, platform=plat,
+                                                                 layout="paired"), peers.get(t))
             for name, kw in MXFP4_EXTRA:
                 cfg = dataclasses.replace(base, **kw)
                 ours(t, f"mxfp4_{name}", lambda a, b, g, cfg=cfg: moe_gmm(
@@ -779,6 +784,7 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
                     a, b1, b3, g, activation=GLU_ACT, backend=backend, fuse=True),
                     (c["x"], halves[0], halves[1], c["gs"]),
                     default_config(m, G, K, N // 2, True, True, platform=plat), glu_ref(t), 2e-2)
+        wq_paired = None
         # 3. ours, bf16 [G, K, N] (gate_up: then the halves, fused)
         if run.elapsed() <= run.budget:
             w_kn = dequant_device(wq, "kn")
@@ -1000,13 +1006,14 @@ def run_bench(args):
         "BENCH_SECTIONS", "ceil,decode,prefill" + (",layer_gmm,layer" if cpu else "")).split(","))
     variants = os.environ.get("BENCH_VARIANTS")
     variants = variants.split(",") if variants else list(DEQUANT_VARIANTS)
+    layouts = os.environ.get("BENCH_MXFP4_LAYOUTS", "k3").split(",")
     dec_tokens = [int(t) for t in os.environ.get(
         "BENCH_DECODE_TOKENS", "4,32" if cpu else "64,512").split(",") if t]
     pre_tokens = [int(t) for t in os.environ.get(
         "BENCH_PREFILL_TOKENS", "64" if cpu else "8192").split(",") if t]
     run = Run(os.environ.get("OUT", "/tmp"), float(os.environ.get("BENCH_BUDGET_S", "150")),
               float(os.environ.get("BENCH_CASE_LIMIT_S", "90")))
-    run.res.update(sections=sorted(sections), variants=variants)
+    run.res.update(sections=sorted(sections), variants=variants, mxfp4_layouts=layouts)
     run.watchdog()
     try:
         import torch
@@ -1085,13 +1092,15 @@ def run_bench(args):
             key = f"ours_{wname}_{cfg.name()}"
             if not run.start(f"{tokens} {key}"):
                 continue
-            ent = time_ours(x, w, gs, cfg, backend, cpu, case["flop"], wbytes[wname], copy, y_peer,
+            ent = time_ours(x, w, gs, cfg, backend, cpu, case["flop"],
+                            wbytes["mxfp4" if wname.startswith("mxfp4") else wname], copy, y_peer,
                             exact)
             case[key] = ent
             run.log(f"tokens {tokens} {key}: " + json.dumps(ent)[:260])
             run.done()
             if "ms" in ent:
-                table.append((wname, tokens, cfg.dequant if wname == "mxfp4" else "-", cfg.name(),
+                table.append((wname, tokens, cfg.dequant if wname.startswith("mxfp4") else "-",
+                              cfg.name(),
                               ent, tt))
 
     for section, token_list in (("decode", dec_tokens), ("prefill", pre_tokens)):
@@ -1110,8 +1119,15 @@ def run_bench(args):
             if cpu:
                 cfgs = list(dict.fromkeys(C(16, 32, 64, dequant=c.dequant, x_split=c.x_split)
                                           for c in cfgs))
-            sweep(tokens, "mxfp4", wq, cfgs, x, gs, case, wbytes, y_peer,
-                  exact_inputs(wq, m, K, N, G))
+            exact = exact_inputs(wq, m, K, N, G)
+            if "k3" in layouts:
+                sweep(tokens, "mxfp4", wq, cfgs, x, gs, case, wbytes, y_peer, exact)
+            if "paired" in layouts:  # the paired layout decodes in the "split_asm_t" product only
+                wp = pair_mxfp4(wq)
+                xe, we, ge, want = exact
+                sweep(tokens, "mxfp4_paired", wp, [c for c in cfgs if c.dequant == "split_asm_t"],
+                      x, gs, case, wbytes, y_peer, (xe, pair_mxfp4(we), ge, want))
+                del wp
             bcfg = BF16_DECODE.get(tokens, BF16_DECODE[64]) if not cpu else C(16, 32, 64)
             sweep(tokens, "bf16", w_kn, [bcfg], x, gs, case, wbytes, y_peer)
             del x
@@ -1141,7 +1157,7 @@ def run_bench(args):
     # the whole layer: free the TP8 slice's weights first
     wq = w_nk = w_kn = w1 = w3 = None  # noqa: F841
     ctx = {"G": G, "TOPK": TOPK, "cpu": cpu, "backend": backend, "ceil": ceil,
-           "has_torch": has_torch}
+           "has_torch": has_torch, "layouts": layouts}
     lg_table, layer_table = [], []
     if "layer_gmm" in sections:
         names = os.environ.get("BENCH_LAYER_GMM_SHAPES")

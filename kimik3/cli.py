@@ -12,10 +12,13 @@ def _load(args):
     import kimik3
 
     if os.path.isdir(args.model):
-        model = kimik3.load(args.model)
+        model = kimik3.load(args.model, mxfp4_layout=args.mxfp4_layout)
         has_bpe = os.path.exists(os.path.join(args.model, "tiktoken.model"))
         tok = kimik3.load_tokenizer(args.model) if has_bpe else kimik3.default_tokenizer(model.cfg)
         return model, tok, args.model
+    if args.mxfp4_layout not in (None, "k3"):
+        raise ValueError("--mxfp4-layout applies to checkpoint directories (a preset's random weights "
+                         "are built in the K3 layout)")
     model = kimik3.init(kimik3.Config.preset(args.model), seed=args.seed)
     return model, kimik3.default_tokenizer(model.cfg), f"random weights, seed {args.seed}"
 
@@ -95,6 +98,9 @@ def main(argv=None) -> int:
                    help="a preset (tiny, tiny-linear, kimi-linear-48b, kimi-k3: random weights) or a checkpoint "
                         "directory (HF safetensors or kimik3.save)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--mxfp4-layout", choices=("k3", "paired"), default=None,
+                   help="MXFP4 experts' byte layout in memory: paired = re-encoded at load for the faster "
+                        "CUDA decode kernel (NVIDIA only); default: as stored")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -103,6 +109,8 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=0)
     b = sub.add_parser("batch", help="offline generation over a JSONL file (resumable)")
     b.add_argument("--model", default="tiny", help="a preset or a checkpoint directory")
+    b.add_argument("--mxfp4-layout", choices=("k3", "paired"), default=None,
+                   help="MXFP4 experts' byte layout in memory (see generate --help)")
     b.add_argument("--input", required=True, help="prompts.jsonl: {id, prompt | messages, [sampling fields]}")
     b.add_argument("--output", required=True, help="results.jsonl (appended; ids already there are skipped)")
     b.add_argument("--max-new-tokens", type=int, default=64)

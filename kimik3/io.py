@@ -7,18 +7,27 @@ from .checkpoint import is_orbax_dir, load_hf, load_orbax, save
 from .model import Model
 
 
-def load(path, mesh=None, dtype: str | None = None) -> Model:
-    """Load an HF checkpoint directory (config.json + *.safetensors) or a kimik3 Orbax directory."""
+def load(path, mesh=None, dtype: str | None = None, mxfp4_layout: str | None = None) -> Model:
+    """Load an HF checkpoint directory (config.json + *.safetensors) or a kimik3 Orbax directory.
+
+    mxfp4_layout: the byte layout of MXFP4 experts in memory (Config.mxfp4_layout): "k3" (as K3
+    stores them; the default for HF checkpoints) or "paired" (re-encoded while loading, for the
+    faster CUDA decode kernel). An Orbax directory restores the layout it was saved with."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is not a directory (expected an HF checkpoint or a kimik3.save dir)")
     if is_orbax_dir(path):
         if dtype is not None:
             raise ValueError("dtype= applies to HF checkpoints; an Orbax checkpoint restores as saved")
-        return load_orbax(path, mesh=mesh)
+        model = load_orbax(path, mesh=mesh)
+        if mxfp4_layout is not None and mxfp4_layout != model.cfg.mxfp4_layout:
+            raise ValueError(f"{path} stores its MXFP4 experts in the {model.cfg.mxfp4_layout!r} layout; "
+                             f"load it with mxfp4_layout={model.cfg.mxfp4_layout!r} (or None), or load the HF "
+                             f"checkpoint with mxfp4_layout={mxfp4_layout!r} and save that")
+        return model
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path} has neither config.json (HF checkpoint) nor kimik3_config.json (Orbax)")
-    return load_hf(path, mesh=mesh, dtype=dtype)
+    return load_hf(path, mesh=mesh, dtype=dtype, mxfp4_layout=mxfp4_layout or "k3")
 
 
 __all__ = ["load", "save"]

@@ -143,3 +143,29 @@ def test_hf_load_onto_a_mesh_places_owned_rows(tiny_models, exported):
     assert up.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
     assert up.addressable_shards[0].data.shape == (up.shape[0], up.shape[1] // 4)  # only owned rows
     assert _equal_trees(jax.tree.map(np.asarray, model.params), jax.tree.map(np.asarray, tiny_models["tiny"].params))
+
+
+def test_hf_load_in_the_paired_mxfp4_layout(tiny_models, exported, tmp_path):
+    """mxfp4_layout="paired" re-encodes the experts' packed bytes while loading: other bytes in
+    memory, the same model (logits bit-equal); export and Orbax keep what was loaded."""
+    from kernels_pallas.moe import paired
+
+    base = tiny_models["tiny"]
+    model = kimik3.load(exported["tiny"], mxfp4_layout="paired")
+    assert model.cfg.mxfp4_layout == "paired" and base.cfg.mxfp4_layout == "k3"
+    ex, ex0 = (m.params["layers_1"]["block_sparse_moe"]["experts"] for m in (model, base))
+    for name in ("w1_packed", "w2_packed", "w3_packed"):
+        assert not np.array_equal(ex[name], ex0[name])
+        np.testing.assert_array_equal(paired.decode(np.asarray(ex[name])), ex0[name])
+    np.testing.assert_array_equal(ex["w1_scale"], ex0["w1_scale"])
+    toks = np.arange(12, dtype=np.int32).reshape(1, 12)
+    np.testing.assert_array_equal(kimik3.forward(model, toks), kimik3.forward(base, toks))
+    export_hf(model, str(tmp_path / "hf"), num_shards=2)  # written back in K3's layout
+    assert _equal_trees(kimik3.load(str(tmp_path / "hf")).params, base.params)
+    kimik3.save(model, str(tmp_path / "ckpt"))
+    back = kimik3.load(str(tmp_path / "ckpt"))
+    assert back.cfg.mxfp4_layout == "paired" and _equal_trees(back.params, model.params)
+    with pytest.raises(ValueError, match="stores its MXFP4 experts in the 'paired' layout"):
+        kimik3.load(str(tmp_path / "ckpt"), mxfp4_layout="k3")
+    with pytest.raises(ValueError, match="mxfp4_layout"):
+        base.cfg.replace(expert_format="dense", mxfp4_layout="paired")

@@ -22,3 +22,13 @@ def test_bad_model_and_prompt(capsys):
     assert "unknown preset 'kimi-k9'" in capsys.readouterr().err
     assert main(["generate", "--model", "tiny", "--prompt", "x", "--chat"]) == 2
     assert "no chat template" in capsys.readouterr().err
+
+
+def test_mxfp4_layout_flag(tiny_models, tmp_path, capsys):
+    export_hf(tiny_models["tiny"], str(tmp_path))
+    args = ["generate", "--model", str(tmp_path), "--prompt", "Hi", "--max-new-tokens", "3"]
+    assert main(args + ["--mxfp4-layout", "paired"]) == 0
+    expect = kimik3.generate(tiny_models["tiny"], ["Hi"], max_new_tokens=3)[0]
+    assert f"tokens: {expect}" in capsys.readouterr().out
+    assert main(["generate", "--model", "tiny", "--prompt", "x", "--mxfp4-layout", "paired"]) == 2
+    assert "--mxfp4-layout applies to checkpoint directories" in capsys.readouterr().err

@@ -294,7 +294,8 @@ def _prmt(a, b, c):
 
 def _emulate_ptx(asm, inputs, n_out):
     """Run the integer PTX subset of our inline asm on uint32 numpy arrays ($0.. outputs, then the
-    inputs): mov, and, or, shl, shr, add.u32, mul.lo.u32, min.u16x2, prmt. Returns the outputs."""
+    inputs): mov, and, or, xor, shl, shr, shf.r.wrap, add.u32, mul.lo.u32, min.u16x2, prmt. Returns
+    the outputs."""
     regs = {f"${n_out + i}": np.asarray(v, np.uint32) for i, v in enumerate(inputs)}
 
     def val(tok):
@@ -320,6 +321,10 @@ def _emulate_ptx(asm, inputs, n_out):
             r = x[0] & x[1]
         elif op == "or.b32":
             r = x[0] | x[1]
+        elif op == "xor.b32":
+            r = x[0] ^ x[1]
+        elif op == "shf.r.wrap.b32":  # funnel shift right of (x1:x0) by x2 mod 32
+            r = m32(((u[1] << np.uint64(32)) | u[0]) >> (u[2] & np.uint64(31)))
         elif op == "shl.b32":
             r = m32(u[0] << u[1])
         elif op == "shr.b32":
@@ -507,3 +512,89 @@ def test_moe_gmm_errors():
     w = jnp.zeros((2, 32, 16), jnp.bfloat16)
     with pytest.raises(ValueError):
         moe_gmm(x, w, jnp.array([2, 2], jnp.int32), backend="interpret")
+
+
+# ---- the paired MXFP4 layout (kernels_pallas/moe/paired.py) ----
+def _sub_bits_np(nib):
+    return ((nib & 8) << 12) | ((nib & 7) << 6)
+
+
+def test_paired_codec_round_trip_and_zero():
+    from kernels_pallas.moe import paired
+    rng = np.random.default_rng(3)
+    p = rng.integers(0, 256, (3, 48, 40), dtype=np.uint8)
+    q = paired.encode(p)
+    assert q.shape == p.shape and q.dtype == np.uint8 and np.mean(q != p) > 0.9
+    np.testing.assert_array_equal(paired.decode(q), p)
+    np.testing.assert_array_equal(np.asarray(paired.decode(jnp.asarray(q), jnp)), p)
+    np.testing.assert_array_equal(np.asarray(paired.encode(jnp.asarray(p), jnp)), q)
+    np.testing.assert_array_equal(paired.encode(np.zeros_like(p)), 0)  # masked loads stay zero
+    with pytest.raises(ValueError, match="multiple of 16|groups of 16"):
+        paired.encode(np.zeros((24, 8), np.uint8))
+    with pytest.raises(ValueError, match="even number"):
+        paired.encode(np.zeros((16, 7), np.uint8))
+
+
+def test_paired_ptx_emulated_gives_the_sub_bits_of_the_original_bytes():
+    """The paired PTX (emulated from its text) on units of encoded bytes, packed as Triton packs
+    them for the wgmma operand (bytes c, c + 1 of rows r and r + 8; bit-exact on the H200 by the
+    benchmark's one-hot check), yields the "split_asm_sub" bits of the K3 bytes' nibbles."""
+    from kernels_pallas.moe import paired
+    rng = np.random.default_rng(4)
+    every = (np.arange(16)[:, None] * 37 + np.arange(512)[None, :]) % 256  # every byte, each slot
+    p = np.concatenate([every, rng.integers(0, 256, (16, 512))]).astype(np.uint8)
+    q = paired.encode(p)
+    units = paired._to_units(q, np)
+    orig = paired._to_units(p, np)
+    for half in ("lo", "hi"):
+        r0, r1 = _emulate_ptx(paired.ptx(half), [units.reshape(-1)], 2)
+        for slot, r in ((0, r0), (1, r1)):
+            b0 = (orig.reshape(-1) >> (16 * slot)) & 0xFF
+            b1 = (orig.reshape(-1) >> (16 * slot + 8)) & 0xFF
+            n0, n1 = (b0 & 15, b1 & 15) if half == "lo" else (b0 >> 4, b1 >> 4)
+            np.testing.assert_array_equal(r & 0xFFFF, _sub_bits_np(n0))
+            np.testing.assert_array_equal(r >> 16, _sub_bits_np(n1))
+    # every 32-bit unit decodes: the map is a bijection (spot-check with random units)
+    u = rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    regs = paired.decode_registers(u)
+    assert len({tuple(int(regs[k][i]) for k in regs) for i in range(u.size)}) == u.size
+
+
+@pytest.mark.parametrize("dequant", ["split", "split_asm_t", "interleave"])
+def test_paired_weights_through_the_kernel(dequant):
+    """Paired MXFP4 weights in the kernel (interpret: decoded to K3 bytes per tile) == the
+    reference on the K3 weights, with an empty expert and rows past the sum."""
+    from kernels_pallas.moe import MXFP4PairedWeight, pair_mxfp4
+    rng = np.random.default_rng(6)
+    g, k, n = 3, 128, 48
+    p = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    sc = rng.integers(118, 130, (g, n, k // 32), dtype=np.uint8)
+    w = MXFP4Weight(jnp.asarray(p), jnp.asarray(sc))
+    wp = pair_mxfp4(w)
+    assert isinstance(wp, MXFP4PairedWeight) and wp.layout == "paired"
+    x = jnp.asarray(rng.normal(size=(21, k)), jnp.bfloat16)
+    gs = jnp.array([7, 0, 11], jnp.int32)
+    ref = moe_gmm(x, w, gs, backend="reference", preferred_element_type=jnp.float32)
+    y = moe_gmm(x, wp, gs, backend="interpret", config=GmmConfig(16, 32, 64, dequant=dequant),
+                preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(np.asarray(y[18:]), 0)
+    yr = moe_gmm(x, wp, gs, backend="reference", preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(yr), np.asarray(ref))
+
+
+def test_paired_errors():
+    from kernels_pallas.moe import gmm, pair_mxfp4
+    w = MXFP4Weight(jnp.zeros((2, 32, 16), jnp.uint8), jnp.zeros((2, 32, 1), jnp.uint8))
+    wp = pair_mxfp4(w)
+    x = jnp.zeros((4, 32), jnp.bfloat16)
+    gs = jnp.array([2, 2], jnp.int32)
+    with pytest.raises(ValueError, match="block_n a multiple of 16"):
+        moe_gmm(x, wp, gs, backend="interpret", config=GmmConfig(16, 24, 32))
+    with pytest.raises(ValueError, match="mixing MXFP4 layouts"):
+        moe_gmm_glu(x, w, wp, gs, backend="interpret", fuse=True)
+    with pytest.raises(ValueError, match="split_asm_t"):  # on a GPU only that kernel decodes it
+        gmm._check_paired(GmmConfig(16, 32, 32, dequant="split"), interpret=False)
+    gmm._check_paired(GmmConfig(16, 32, 32, dequant="split_asm_t"), interpret=False)
+    assert gmm.default_config(64, 896, 3584, 384, True, True, platform="cuda",
+                              layout="paired").dequant == "split_asm_t"

@@ -1,7 +1,9 @@
 """MoE kernels: grouped matmul (ragged_dot) over dense or MXFP4 expert weights, and the MXFP4 codec."""
-from . import mxfp4
+from . import mxfp4, paired
 from .gmm import GmmConfig, default_config, moe_gmm, moe_gmm_glu, tile_metadata
-from .reference import MXFP4Weight, glu, moe_gmm_glu_reference, moe_gmm_reference, situ
+from .reference import (MXFP4PairedWeight, MXFP4Weight, glu, moe_gmm_glu_reference,
+                        moe_gmm_reference, pair_mxfp4, situ)
 
-__all__ = ["mxfp4", "GmmConfig", "default_config", "moe_gmm", "moe_gmm_glu", "tile_metadata",
-           "MXFP4Weight", "glu", "moe_gmm_glu_reference", "moe_gmm_reference", "situ"]
+__all__ = ["mxfp4", "paired", "GmmConfig", "default_config", "moe_gmm", "moe_gmm_glu",
+           "tile_metadata", "MXFP4Weight", "MXFP4PairedWeight", "pair_mxfp4", "glu",
+           "moe_gmm_glu_reference", "moe_gmm_reference", "situ"]

@@ -85,7 +85,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._backend import kernel_platform, resolve_backend, triton_params
-from . import mxfp4
+from . import mxfp4, paired
 from .reference import MXFP4Weight, glu, is_mxfp4, moe_gmm_glu_reference, moe_gmm_reference
 
 _F16_SHIFT = 2.0 ** 14  # every dequant variant yields value * 2^(s-127) * 2^-14
@@ -155,7 +155,8 @@ class GmmConfig:
 
 
 def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = False, *,
-                   platform: str | None = None, x_dtype=jnp.bfloat16) -> GmmConfig:
+                   platform: str | None = None, x_dtype=jnp.bfloat16,
+                   layout: str = "k3") -> GmmConfig:
     """Block sizes by regime: rows per group decides decode (weight streaming) vs prefill.
 
     platform: where the kernel will run, "cuda" | "rocm" | anything else (e.g. "cpu", or
@@ -207,7 +208,7 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
         # "split_asm_t" (2026-11-30: 0.374 vs 0.396 ms at 64 tokens, 0.585 vs 0.617 at 512,
         # bit-exact on the device) for the plain matmul; the fused gate/up keeps "split_asm_sub"
         # (its "split_asm_t" form compiles to 255 registers offline and was not timed).
-        asm_variant = "split_asm_sub" if glu_ else "split_asm_t"
+        asm_variant = "split_asm_sub" if glu_ and layout != "paired" else "split_asm_t"
         return GmmConfig(block_m=16, block_n=bn, block_k=_fit_k(256 if on_cuda else 128, k),
                          num_warps=4, num_stages=4, dequant=asm_variant if asm else "split")
     if rows_per_group < 96:
@@ -409,17 +410,19 @@ def _asm_t(half: str) -> str:
     return code + "}"
 
 
-def _nibble_asm_t(pb):
-    """(low, high) nibbles of packed bytes as inline PTX (CUDA only), value * 2^-126 in bf16."""
+def _nibble_asm_t(pb, layout: str = "k3"):
+    """(low, high) nibbles of packed bytes as inline PTX (CUDA only), value * 2^-126 in bf16.
+    layout "paired": the bytes are `paired.py` units (its 8-instruction PTX; not elementwise)."""
     from jax.experimental.pallas import triton as plgpu
 
+    code = paired.ptx if layout == "paired" else _asm_t
     return tuple(plgpu.elementwise_inline_asm(
-        _asm_t(half), args=[pb], constraints="=r,=r,r", pack=4,
+        code(half), args=[pb], constraints="=r,=r,r", pack=4,
         result_shape_dtypes=[jax.ShapeDtypeStruct(pb.shape, jnp.bfloat16)])[0]
         for half in ("lo", "hi"))
 
 
-def _dequant_split_t(pb, sb, dtype, use_asm: bool = False):
+def _dequant_split_t(pb, sb, dtype, use_asm: bool = False, layout: str = "k3"):
     """"split_asm_t": packed [bn, w] uint8 (w = 16 s, one K block) + scales [bn, w/16] -> (low,
     high) nibble weights [bn, w] in `dtype`, times 2^-14, columns in `_perm_t` order.
 
@@ -429,7 +432,7 @@ def _dequant_split_t(pb, sb, dtype, use_asm: bool = False):
     s = w // 16
     pt = _perm_t(pb, s)
     if use_asm:
-        (lo, hi), enc = _nibble_asm_t(pt), "bf16_sub"
+        (lo, hi), enc = _nibble_asm_t(pt, layout), "bf16_sub"
     else:
         (lo, hi), enc = _nibble_bits(pt, "bf16"), "bf16"
     sf = _perm_t(_expand_groups(_scale_factor(sb, enc), mxfp4.GROUP // 2), s)
@@ -445,7 +448,7 @@ def _load(ref, mask):
 
 
 def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count: int, quant: bool,
-                n_w: int, epilogue, cdt, precision, use_asm: bool):
+                n_w: int, epilogue, cdt, precision, use_asm: bool, layout: str = "k3"):
     from jax.experimental.pallas import triton as plgpu
 
     w_refs = refs[:-1]
@@ -534,10 +537,12 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
             for i, acc in enumerate(accs):
                 p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
                 pb = _load(p_ref.at[grp, pl.ds(n0, bn), pl.ds(h0, half)], wmask(h0, half, hk))
+                if layout == "paired" and not (use_asm and transposed):
+                    pb = paired.decode(pb, jnp)  # the interpreter: back to K3 bytes (rows 16-aligned)
                 sb = _load(s_ref.at[grp, pl.ds(n0, bn), pl.ds(s0, ng)],
                            wmask(s0, ng, k // mxfp4.GROUP))
                 if transposed:
-                    lo, hi = _dequant_split_t(pb, sb, cdt, use_asm)
+                    lo, hi = _dequant_split_t(pb, sb, cdt, use_asm, layout)
                     out.append(acc + mm(xe, lo) + mm(xo, hi))
                 elif split:
                     lo, hi = _dequant_split(pb, sb, cdt, bits, use_asm)
@@ -603,8 +608,14 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
     cdt = x.dtype if quant else jnp.promote_types(x.dtype, ws[0].dtype)
     if precision is None and jnp.dtype(cdt) == jnp.float32:
         precision = jax.lax.Precision.HIGHEST
+    layout = ws[0].layout if quant else "k3"
+    if quant and any(w.layout != layout for w in ws):  # (a jax.Array has its own .layout)
+        raise ValueError("mixing MXFP4 layouts (k3 / paired) in one call is not supported")
     cfg = config or default_config(m, g, k, n, quant, len(ws) > 1,
-                                   platform="interpret" if interpret else None, x_dtype=x.dtype)
+                                   platform="interpret" if interpret else None, x_dtype=x.dtype,
+                                   layout=layout)
+    if layout == "paired":
+        _check_paired(cfg, interpret)
     if quant and (cfg.block_k % mxfp4.GROUP or k % mxfp4.GROUP):
         raise ValueError(f"MXFP4 needs block_k and K multiples of {mxfp4.GROUP}")
     x_in = x
@@ -622,7 +633,7 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
         flat_w += [w.packed, w.scales] if quant else [w]
     kernel = functools.partial(_gmm_kernel, cfg=cfg, k=k, n=n, g_count=g, quant=quant,
                                n_w=len(ws), epilogue=epilogue, cdt=cdt, precision=precision,
-                               use_asm=not interpret)
+                               use_asm=not interpret, layout=layout)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -631,6 +642,18 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
         interpret=interpret,
         name="moe_gmm",
     )(meta, x_in, *flat_w)
+
+
+def _check_paired(cfg: GmmConfig, interpret: bool):
+    """The paired layout decodes with CUDA PTX in the "split_asm_t" product only (the interpreter
+    decodes it back to K3 bytes in the kernel, any variant)."""
+    if cfg.block_n % paired.ROWS:
+        raise ValueError(f"paired MXFP4 weights need block_n a multiple of {paired.ROWS}, "
+                         f"got {cfg.block_n}")
+    if not interpret and cfg.dequant != "split_asm_t":
+        raise ValueError(f"paired MXFP4 weights are decoded by the CUDA 'split_asm_t' kernel only "
+                         f"(config dequant={cfg.dequant!r}); use dequant='split_asm_t' on an NVIDIA "
+                         f"GPU, or load the weights in the K3 layout (mxfp4_layout='k3') elsewhere")
 
 
 def moe_gmm(x, w, group_sizes, *, backend: str | None = None, preferred_element_type=None,

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import mxfp4
+from . import mxfp4, paired
 
 
 class MXFP4Weight(NamedTuple):
@@ -21,12 +21,36 @@ class MXFP4Weight(NamedTuple):
 
     packed: jax.Array
     scales: jax.Array
+    layout = "k3"  # the byte layout of `packed` (a class attribute: not a pytree leaf)
+
+    def k3_packed(self):
+        """`packed` in K3's byte layout (decoding the paired layout)."""
+        return self.packed
 
     @property
     def shape(self):
         """Logical [G, K, N] shape (the ragged_dot orientation)."""
         g, n, k = mxfp4.check_shapes(self.packed.shape, self.scales.shape)
         return (g, k, n)
+
+
+class MXFP4PairedWeight(MXFP4Weight):
+    """MXFP4 weights whose packed bytes are in the paired layout (`paired.py`): the same numbers,
+    re-encoded at load time for the CUDA decode kernel's cheaper nibble decode. Build it with
+    `pair_mxfp4` (or the checkpoint loader's mxfp4_layout="paired")."""
+
+    __slots__ = ()
+    layout = "paired"
+
+    def k3_packed(self):
+        return paired.decode(self.packed, jnp)
+
+
+def pair_mxfp4(w: MXFP4Weight, xp=jnp) -> MXFP4PairedWeight:
+    """Re-encode K3-layout MXFP4 weights in the paired layout (N a multiple of 16)."""
+    if isinstance(w, MXFP4PairedWeight):
+        return w
+    return MXFP4PairedWeight(paired.encode(w.packed, xp), w.scales)
 
 
 def is_mxfp4(w) -> bool:
@@ -36,7 +60,7 @@ def is_mxfp4(w) -> bool:
 def dense_weight(w, dtype) -> jax.Array:
     """[G, K, N] in `dtype` (dequantising MXFP4: only the reference does this)."""
     if is_mxfp4(w):
-        return jnp.swapaxes(mxfp4.dequantize(w.packed, w.scales, dtype), -1, -2)
+        return jnp.swapaxes(mxfp4.dequantize(w.k3_packed(), w.scales, dtype), -1, -2)
     return jnp.asarray(w).astype(dtype)
 
 

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.moe import paired
+
 from ..config import Config
 from ..model import Model
 from .safetensors_io import CheckpointError, SafetensorsFile
@@ -41,6 +43,11 @@ def _T(a):
 
 def _ident(a):
     return a
+
+
+def _pair(a):
+    """K3 packed MXFP4 bytes [out, in/2] -> the paired layout (Config.mxfp4_layout='paired')."""
+    return paired.encode(a)
 
 
 def _flat(a):
@@ -131,7 +138,8 @@ def hf_param_map(cfg: Config, abstract: dict, prefix: str, head_key: str) -> dic
                         m[f"{b}experts.{e}.{name}.weight"] = Slot(path, e, (leaf.shape[2], leaf.shape[1]), _T)
                     else:  # w1_packed -> w1.weight_packed, w1_scale -> w1.weight_scale
                         w, kind = name.split("_")
-                        m[f"{b}experts.{e}.{w}.weight_{kind}"] = Slot(path, e, tuple(leaf.shape[1:]), _ident)
+                        fn = _pair if kind == "packed" and cfg.mxfp4_layout == "paired" else _ident
+                        m[f"{b}experts.{e}.{w}.weight_{kind}"] = Slot(path, e, tuple(leaf.shape[1:]), fn)
     return m
 
 
@@ -182,8 +190,10 @@ def _checkpoint_dtype(raw_config: dict) -> str:
     return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(str(d), "bfloat16")
 
 
-def load_hf(path: str, mesh=None, dtype: str | None = None) -> Model:
-    """Load an HF checkpoint directory. dtype None keeps the checkpoint's dtype."""
+def load_hf(path: str, mesh=None, dtype: str | None = None, mxfp4_layout: str = "k3") -> Model:
+    """Load an HF checkpoint directory. dtype None keeps the checkpoint's dtype. mxfp4_layout
+    "paired" re-encodes MXFP4 experts as they are read, for the faster CUDA decode kernel
+    (Config.mxfp4_layout; kernels_pallas/moe/paired.py)."""
     from ..params import abstract as abstract_tree
 
     with open(os.path.join(path, "config.json")) as f:
@@ -192,7 +202,8 @@ def load_hf(path: str, mesh=None, dtype: str | None = None) -> Model:
     keys = [k for f in files for k in f.keys()]
     packed = any(k.endswith(".weight_packed") for k in keys)
     dt = dtype or _checkpoint_dtype(raw)
-    cfg = Config.from_hf(path).replace(expert_format="mxfp4" if packed else "dense", dtype=dt, param_dtype=dt)
+    cfg = Config.from_hf(path).replace(expert_format="mxfp4" if packed else "dense", dtype=dt, param_dtype=dt,
+                                       mxfp4_layout=mxfp4_layout if packed else "k3")
     router = next(((f, k) for f in files for k in f.keys() if k.endswith("block_sparse_moe.gate.weight")), None)
     if router is not None:  # the router keeps its stored precision (fp32 in Kimi Linear, bf16 in K3)
         cfg = cfg.replace(router_dtype=str(router[0].dtype(router[1])) if dtype is None else dt)

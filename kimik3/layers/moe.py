@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from kernels_pallas.moe import MXFP4Weight, moe_gmm, moe_gmm_glu, mxfp4
+from kernels_pallas.moe import MXFP4PairedWeight, MXFP4Weight, moe_gmm, moe_gmm_glu, mxfp4
 from .common import F32, INIT_STD, Weight, glu, rms_normalize
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -100,12 +100,14 @@ def route(logits, bias, cfg):
     return idx, w * cfg.routed_scaling_factor
 
 
-def _grouped_weight(experts: dict, name: str, dtype):
+def _grouped_weight(experts: dict, name: str, dtype, layout: str = "k3"):
     """Routed expert weight `name` for moe_gmm: dense [E, in, out], or MXFP4 kept packed
-    ([E, out, in/2] + scales; the kernel dequantises in place, the reference path dequantises)."""
+    ([E, out, in/2] + scales; the kernel dequantises in place, the reference path dequantises),
+    its bytes in Config.mxfp4_layout."""
     if name in experts:
         return experts[name].astype(dtype)
-    return MXFP4Weight(experts[f"{name}_packed"], experts[f"{name}_scale"])
+    cls = MXFP4PairedWeight if layout == "paired" else MXFP4Weight
+    return cls(experts[f"{name}_packed"], experts[f"{name}_scale"])
 
 
 def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0,
@@ -118,7 +120,7 @@ def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0,
     products plus the activation in XLA were faster at every token count (results_moe.md run 6,
     MXFP4 layer 3.81 vs 4.14 ms at 64 tokens, 46.8 vs 51.4 ms at 8192)."""
     dt = cfg.jnp_dtype
-    w = {n: _grouped_weight(experts, n, dt) for n in ("w1", "w3", "w2")}
+    w = {n: _grouped_weight(experts, n, dt, cfg.mxfp4_layout) for n in ("w1", "w3", "w2")}
     E_local = w["w1"].shape[0]
     N, k = idx.shape
     local = idx.reshape(-1) - first
