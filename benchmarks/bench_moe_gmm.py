@@ -29,15 +29,16 @@ layer_gmm,layer):
   glu      (opt-in) fused gate/up + SiTU at the TP8 slice.
   layer_gmm (opt-in) the whole layer's grouped matmuls at BENCH_LAYER_GMM_TOKENS (default
            64,512,8192), shapes BENCH_LAYER_GMM_SHAPES (default all): gate_up (K 3584, N 6144:
-           w1 | w3 untiled), down (K 3072, N 3584) and one TP8 rank's down slice down_tp8 (K 384,
-           N 3584); MXFP4 and bf16, ours with the config moe_gmm picks itself (default_config,
+           w1 | w3 untiled), down (K 3072, N 3584), one TP8 rank's down slice down_tp8 (K 384,
+           N 3584) and gate+up slice gate_up_tp8 (K 3584, N 768); MXFP4 and bf16 (MXFP4 also in
+           the paired layout with BENCH_MXFP4_LAYOUTS=k3,paired), ours with the config moe_gmm picks itself (default_config,
            printed per row) vs torch._grouped_mm on the dequantised bf16 weights; gate_up also as
            the fused kernel on the two halves (moe_gmm_glu(fuse=True), SiTU: rows glu_*, checked
            against the SiTU of torch's two halves; the layer's default is the unfused form).
            BENCH_LAYER_MXFP4_EXTRA="bn64:block_n=64;..." also times the MXFP4 rows with the default
-           config's fields replaced (benchmarks/config_strings.py syntax). Times: GPU kernel time from the profiler
-           (benchmarks/kernel_timer.py) for ours (every kernel of the call; moe_gmm's own listed
-           too) and torch.
+           config's fields replaced, in each of BENCH_MXFP4_LAYOUTS (benchmarks/config_strings.py
+           syntax). Times: GPU kernel time from the profiler (benchmarks/kernel_timer.py) for
+           ours (every kernel of the call; moe_gmm's own listed too) and torch.
   layer    (opt-in) the full MoE layer, kimik3.layers.moe.moe_apply (router, sort / permute,
            gate/up (two products, SiTU after) + down grouped matmuls, weighted combine, latent down/up-projection +
            RMSNorm, 2 shared experts) at K3 dims (hidden 7168) under jax.jit at BENCH_LAYER_TOKENS
@@ -55,6 +56,9 @@ layer_gmm,layer):
     BENCH_SECTIONS=ceil,glu,layer_gmm,layer BENCH_BUDGET_S=220 PYTHONUNBUFFERED=1 \
       PYTHONPATH=. python3 benchmarks/bench_moe_gmm.py      # $OUT/moe_gmm.json, moe_gmm_log.txt
   --cpu-smoke runs layer_gmm and layer too (tiny shapes: 8 experts top-2, "tiny" config in bf16).
+BENCH_MXFP4_LAYOUTS (default k3): "k3,paired" also runs the MXFP4 cases on the same weights in
+the paired layout (kernels_pallas/moe/paired.py): decode's "split_asm_t" configs (checked bit-exact
+like the others), layer_gmm's default config, and BENCH_LAYER_FORMATS may name mxfp4_paired.
 BENCH_VARIANTS: only these dequant variants in decode (default: all in the sweep). The two PTX
 variants side by side (64 and 512 tokens, every MXFP4 row also checked bit-exact), one device call:
   BENCH_SECTIONS=ceil,decode BENCH_VARIANTS=split_asm_sub,split_asm_t PYTHONUNBUFFERED=1 \
@@ -97,7 +101,7 @@ from config_strings import parse_overrides  # noqa: E402
 from kernels_pallas.moe import mxfp4  # noqa: E402
 from kernels_pallas.moe.gmm import (DEQUANT_VARIANTS, GmmConfig, default_config,  # noqa: E402
                                     moe_gmm, moe_gmm_glu)
-from kernels_pallas.moe.reference import MXFP4Weight, pair_mxfp4  # noqa: E402
+from kernels_pallas.moe.reference import MXFP4PairedWeight, MXFP4Weight, pair_mxfp4  # noqa: E402
 from kernels_pallas.moe.reference import glu as moe_glu_ref  # noqa: E402
 
 # MXFP4 decode sweep. The first is the best config of the 2026-11-29 run (first dequantisation); the
@@ -537,9 +541,12 @@ def time_ours(x, w, gs, cfg, backend, cpu, flop, wbytes, copy, y_peer, exact=Non
 # ---- sections layer_gmm and layer: the whole layer's grouped matmuls, the full MoE layer ----
 # (K, N) as moe_gmm sees them. "gate_up": w1 | w3 of the whole layer as one N = 2 x 3072 matmul (the
 # layer runs the two halves as two products; the fused kernel on them: the "glu" rows); "down": w2; "down_tp8": one
-# TP8 rank's slice of w2 (K = 3072 / 8). The TP8 gate+up slice (N = 768) is sections decode/prefill.
-LAYER_GMM_SHAPES = {"gate_up": (3584, 6144), "down": (3072, 3584), "down_tp8": (384, 3584)}
-SMOKE_LAYER_GMM_SHAPES = {"gate_up": (128, 256), "down": (128, 128), "down_tp8": (32, 128)}
+# TP8 rank's slice of w2 (K = 3072 / 8); "gate_up_tp8": the TP8 gate+up slice of sections decode /
+# prefill, here timed by GPU kernel time with every kernel of the call counted.
+LAYER_GMM_SHAPES = {"gate_up": (3584, 6144), "down": (3072, 3584), "down_tp8": (384, 3584),
+                    "gate_up_tp8": (3584, 768)}
+SMOKE_LAYER_GMM_SHAPES = {"gate_up": (128, 256), "down": (128, 128), "down_tp8": (32, 128),
+                          "gate_up_tp8": (128, 64)}
 GLU_ACT = "situ"  # K3's activation
 
 
@@ -552,15 +559,16 @@ def layer_cases(G=896, topk=16, tokens=(64, 512, 8192)):
         for t in tokens:
             x = sd((t * topk, K), jnp.bfloat16)
             gs = sd((G,), jnp.int32)
-            for quant in (True, False):
-                w = (MXFP4Weight(sd((G, N, K // 2), jnp.uint8), sd((G, N, K // 32), jnp.uint8))
+            for quant, cls in ((True, MXFP4Weight), (True, MXFP4PairedWeight), (False, None)):
+                w = (cls(sd((G, N, K // 2), jnp.uint8), sd((G, N, K // 32), jnp.uint8))
                      if quant else sd((G, K, N), jnp.bfloat16))
-                cfg = default_config(t * topk, G, K, N, quant, platform="cuda")
-                kind = "mxfp4" if quant else "bf16"
+                lay = w.layout if quant else "k3"
+                cfg = default_config(t * topk, G, K, N, quant, platform="cuda", layout=lay)
+                kind = ("mxfp4_paired" if lay == "paired" else "mxfp4") if quant else "bf16"
                 out.append((f"{sname} {kind} tokens {t} {cfg.name()}",
                             lambda a, b, c, cfg=cfg: moe_gmm(a, b, c, backend="pallas", config=cfg),
                             (x, w, gs)))
-                if sname != "gate_up":
+                if sname != "gate_up" or lay == "paired":
                     continue
                 h = N // 2  # the layer's fused gate/up on the two halves
                 w = (MXFP4Weight(sd((G, h, K // 2), jnp.uint8), sd((G, h, K // 32), jnp.uint8))
@@ -774,11 +782,16 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
                 ours(t, "mxfp4_paired", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
                      (c["x"], wq_paired, c["gs"]), default_config(m, G, K, N, True, platform=plat,
                                                                  layout="paired"), peers.get(t))
-            for name, kw in MXFP4_EXTRA:
-                cfg = dataclasses.replace(base, **kw)
-                ours(t, f"mxfp4_{name}", lambda a, b, g, cfg=cfg: moe_gmm(
-                    a, b, g, backend=backend, config=cfg), (c["x"], wq, c["gs"]), cfg,
-                    peers.get(t))
+            for name, kw in MXFP4_EXTRA:  # per layout timed (k3: mxfp4_NAME, mxfp4_paired_NAME)
+                for lay, w_ in (("k3", wq), ("paired", wq_paired)):
+                    if lay not in ctx["layouts"]:
+                        continue
+                    cfg = dataclasses.replace(default_config(m, G, K, N, True, platform=plat,
+                                                             layout=lay), **kw)
+                    kind = f"mxfp4_{name}" if lay == "k3" else f"mxfp4_paired_{name}"
+                    ours(t, kind, lambda a, b, g, cfg=cfg: moe_gmm(
+                        a, b, g, backend=backend, config=cfg), (c["x"], w_, c["gs"]), cfg,
+                        peers.get(t))
             if fused:
                 ours(t, "glu_mxfp4", lambda a, b1, b3, g: moe_gmm_glu(
                     a, b1, b3, g, activation=GLU_ACT, backend=backend, fuse=True),
@@ -861,8 +874,10 @@ def layer_reference(cfg, p, x, sel):
     def expert_w(name, ids):  # [k, in, out] fp32
         if name in ex:
             return ex[name][ids].astype(f32)
-        return jnp.swapaxes(mxfp4.dequantize(ex[f"{name}_packed"][ids], ex[f"{name}_scale"][ids],
-                                             f32), -1, -2)
+        w = MXFP4Weight(ex[f"{name}_packed"][ids], ex[f"{name}_scale"][ids])
+        if cfg.mxfp4_layout == "paired":
+            w = MXFP4PairedWeight(*w)
+        return jnp.swapaxes(mxfp4.dequantize(w.k3_packed(), w.scales, f32), -1, -2)
 
     def one(args):
         ui, ids, wi = args
@@ -932,7 +947,14 @@ def layer_section(run, ctx, token_list, formats, table, glu_modes=("unfused",)):
         cfg)[0].reshape(-1),
         length=E) > 0))
     outs = {}
+    p_k3 = p
     for fmt in formats:
+        p = p_k3
+        if fmt == "mxfp4_paired":  # the same experts re-encoded (Config.mxfp4_layout="paired")
+            ex = p_k3["experts"]
+            p = {**p_k3, "experts": {**ex, **{f"{n}_packed": pair_mxfp4(MXFP4Weight(
+                ex[f"{n}_packed"], ex[f"{n}_scale"])).packed for n in ("w1", "w3", "w2")}}}
+            del ex
         if fmt == "bf16":
             if run.elapsed() > run.budget:
                 run.res["skipped"].append("layer bf16 weights")
@@ -944,7 +966,9 @@ def layer_section(run, ctx, token_list, formats, table, glu_modes=("unfused",)):
                 del ex[f"{n}_packed"], ex[f"{n}_scale"]
             p["experts"] = dense
             del ex, dense
-        cfg_f = cfg.replace(expert_format="dense" if fmt == "bf16" else "mxfp4")
+        cfg_f = cfg.replace(expert_format="dense" if fmt == "bf16" else "mxfp4",
+                            mxfp4_layout="paired" if fmt == "mxfp4_paired" else "k3")
+        quant = fmt.startswith("mxfp4")
         for fused, t in [(g == "fused", t) for t in token_list for g in glu_modes]:
             name = f"{fmt}+fused_glu" if fused else fmt
             f = jax.jit(lambda p_, x_, c=cfg_f, fu=fused: moe_apply(c, p_, x_, backend,
@@ -953,12 +977,13 @@ def layer_section(run, ctx, token_list, formats, table, glu_modes=("unfused",)):
             if not run.start(label):
                 continue
             m = t * k
-            gate_up = ({"gate_up_glu": default_config(m, E, L, I, fmt == "mxfp4", True,
-                                                      platform=plat).name()} if fused else
-                       {"gate_up (x2)": default_config(m, E, L, I, fmt == "mxfp4",
-                                                       platform=plat).name()})
+            lay = cfg_f.mxfp4_layout
+            gate_up = ({"gate_up_glu": default_config(m, E, L, I, quant, True, platform=plat,
+                                                      layout=lay).name()} if fused else
+                       {"gate_up (x2)": default_config(m, E, L, I, quant, platform=plat,
+                                                       layout=lay).name()})
             cfgs = {**gate_up,
-                    "down": default_config(m, E, I, L, fmt == "mxfp4", platform=plat).name()}
+                    "down": default_config(m, E, I, L, quant, platform=plat, layout=lay).name()}
             try:
                 x = jax.random.normal(jax.random.key(50 + t), (t, D), cfg.jnp_dtype)
                 tt = time.perf_counter()

@@ -19,9 +19,9 @@ from .mla import (merge_partials, mla_decode, mla_decode_reference, mla_prefill,
 __all__ += ["mla_decode", "mla_decode_reference", "merge_partials", "mla_prefill",
             "mla_prefill_reference"]
 
-from .moe import (GmmConfig, MXFP4Weight, moe_gmm, moe_gmm_glu, moe_gmm_glu_reference,  # noqa: E402
-                  moe_gmm_reference)
+from .moe import (GmmConfig, MXFP4PairedWeight, MXFP4Weight, moe_gmm, moe_gmm_glu,  # noqa: E402
+                  moe_gmm_glu_reference, moe_gmm_reference, pair_mxfp4)
 from .moe import tile_metadata as moe_gmm_tile_metadata  # noqa: E402
 
-__all__ += ["GmmConfig", "MXFP4Weight", "moe_gmm", "moe_gmm_glu", "moe_gmm_glu_reference",
+__all__ += ["GmmConfig", "MXFP4Weight", "MXFP4PairedWeight", "pair_mxfp4", "moe_gmm", "moe_gmm_glu", "moe_gmm_glu_reference",
             "moe_gmm_reference", "moe_gmm_tile_metadata"]

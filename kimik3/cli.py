@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--mxfp4-layout", choices=("k3", "paired"), default=None,
                    help="MXFP4 experts' byte layout in memory: paired = re-encoded at load for the faster "
-                        "CUDA decode kernel (NVIDIA only); default: as stored")
+                        "CUDA decode kernel (NVIDIA only); default: paired for an HF checkpoint on an NVIDIA "
+                        "GPU with bf16 activations, else as stored")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)

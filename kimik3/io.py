@@ -11,8 +11,9 @@ def load(path, mesh=None, dtype: str | None = None, mxfp4_layout: str | None = N
     """Load an HF checkpoint directory (config.json + *.safetensors) or a kimik3 Orbax directory.
 
     mxfp4_layout: the byte layout of MXFP4 experts in memory (Config.mxfp4_layout): "k3" (as K3
-    stores them; the default for HF checkpoints) or "paired" (re-encoded while loading, for the
-    faster CUDA decode kernel). An Orbax directory restores the layout it was saved with."""
+    stores them) or "paired" (re-encoded while loading, for the faster CUDA decode kernel);
+    None: for an HF checkpoint "auto" (paired on an NVIDIA GPU with bf16 activations, else k3),
+    for an Orbax directory the layout it was saved with (another is converted after restoring)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is not a directory (expected an HF checkpoint or a kimik3.save dir)")
@@ -20,14 +21,30 @@ def load(path, mesh=None, dtype: str | None = None, mxfp4_layout: str | None = N
         if dtype is not None:
             raise ValueError("dtype= applies to HF checkpoints; an Orbax checkpoint restores as saved")
         model = load_orbax(path, mesh=mesh)
-        if mxfp4_layout is not None and mxfp4_layout != model.cfg.mxfp4_layout:
-            raise ValueError(f"{path} stores its MXFP4 experts in the {model.cfg.mxfp4_layout!r} layout; "
-                             f"load it with mxfp4_layout={model.cfg.mxfp4_layout!r} (or None), or load the HF "
-                             f"checkpoint with mxfp4_layout={mxfp4_layout!r} and save that")
-        return model
+        if mxfp4_layout in (None, "auto", model.cfg.mxfp4_layout):
+            return model
+        return with_mxfp4_layout(model, mxfp4_layout)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path} has neither config.json (HF checkpoint) nor kimik3_config.json (Orbax)")
-    return load_hf(path, mesh=mesh, dtype=dtype, mxfp4_layout=mxfp4_layout or "k3")
+    return load_hf(path, mesh=mesh, dtype=dtype, mxfp4_layout=mxfp4_layout or "auto")
 
 
-__all__ = ["load", "save"]
+def with_mxfp4_layout(model: Model, layout: str) -> Model:
+    """`model` with its MXFP4 experts' packed bytes in `layout` ("k3" | "paired"); the same numbers."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas.moe import paired
+
+    cfg = model.cfg.replace(mxfp4_layout=layout)  # validates the layout against the config
+    if layout == model.cfg.mxfp4_layout:
+        return model
+    fn = jax.jit(lambda a: paired.encode(a, jnp) if layout == "paired" else paired.decode(a, jnp))
+
+    def convert(path, leaf):
+        name = getattr(path[-1], "key", "")
+        return fn(leaf) if str(name).endswith("_packed") and "experts" in str(path) else leaf
+    return Model(params=jax.tree_util.tree_map_with_path(convert, model.params), cfg=cfg)
+
+
+__all__ = ["load", "save", "with_mxfp4_layout"]

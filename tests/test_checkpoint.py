@@ -165,7 +165,19 @@ def test_hf_load_in_the_paired_mxfp4_layout(tiny_models, exported, tmp_path):
     kimik3.save(model, str(tmp_path / "ckpt"))
     back = kimik3.load(str(tmp_path / "ckpt"))
     assert back.cfg.mxfp4_layout == "paired" and _equal_trees(back.params, model.params)
-    with pytest.raises(ValueError, match="stores its MXFP4 experts in the 'paired' layout"):
-        kimik3.load(str(tmp_path / "ckpt"), mxfp4_layout="k3")
+    as_k3 = kimik3.load(str(tmp_path / "ckpt"), mxfp4_layout="k3")  # converted after restoring
+    assert as_k3.cfg.mxfp4_layout == "k3" and _equal_trees(as_k3.params, base.params)
     with pytest.raises(ValueError, match="mxfp4_layout"):
         base.cfg.replace(expert_format="dense", mxfp4_layout="paired")
+
+
+def test_auto_mxfp4_layout_is_paired_only_where_its_kernel_runs(tiny_models, exported, monkeypatch):
+    from kernels_pallas import _backend
+    from kimik3.checkpoint import hf
+
+    assert kimik3.load(exported["tiny"]).cfg.mxfp4_layout == "k3"  # this machine: CPU
+    monkeypatch.setattr(_backend, "kernel_platform", lambda device=None: "cuda")
+    cfg = tiny_models["tiny"].cfg
+    assert hf.auto_mxfp4_layout(cfg.replace(dtype="bfloat16")) == "paired"
+    assert hf.auto_mxfp4_layout(cfg.replace(dtype="float32")) == "k3"  # the PTX takes bf16 x only
+    assert hf.auto_mxfp4_layout(cfg.replace(expert_format="dense")) == "k3"

@@ -159,6 +159,9 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
                    layout: str = "k3") -> GmmConfig:
     """Block sizes by regime: rows per group decides decode (weight streaming) vs prefill.
 
+    layout: the MXFP4 weights' byte layout ("k3" | "paired"); "paired" on CUDA with bf16
+    activations takes "split_asm_t" in every regime (the only kernel that decodes it there).
+
     platform: where the kernel will run, "cuda" | "rocm" | anything else (e.g. "cpu", or
     "interpret" for the Pallas interpreter); None: `kernel_platform()`. moe_gmm / moe_gmm_glu pass
     "interpret" for backend="interpret" and None otherwise. It decides only the MXFP4 decode
@@ -195,6 +198,16 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
       (results_moe.md run 6): 4.77 -> 4.14 ms at 64 tokens, 69.5 -> 51.4 ms at 8192 (MXFP4).
       The unfused form (two plain products) is still 1-9% faster and is the layer's default.
     """
+    cfg = _default_config(m, g, k, n, quant, glu_, platform, x_dtype, layout)
+    if quant and layout == "paired" and (platform or kernel_platform()) == "cuda" \
+            and jnp.dtype(x_dtype) == jnp.bfloat16:
+        # the paired layout decodes only in "split_asm_t" (any K block of 32s; the middle and
+        # prefill regimes' MXFP4 kernels are otherwise "interleave")
+        cfg = dataclasses.replace(cfg, dequant="split_asm_t")
+    return cfg
+
+
+def _default_config(m, g, k, n, quant, glu_, platform, x_dtype, layout) -> GmmConfig:
     rows_per_group = m / max(g, 1)
     bn = 128 if n >= 128 else max(16, pl.next_power_of_2(n))
     if glu_:
@@ -227,30 +240,44 @@ def _fit_k(bk: int, k: int) -> int:
     return bk
 
 
+def _inclusive_cumsum(v):
+    """Inclusive cumsum along the last axis as one masked reduction (O(n^2) work, n <= ~1k here):
+    on the GPU one fused kernel, where jnp.cumsum becomes a chain of reduce-window kernels."""
+    n = v.shape[-1]
+    tri = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]  # [i, j]: j <= i
+    return jnp.sum(jnp.where(tri, v[..., None, :], 0), axis=-1)
+
+
 def tile_metadata(group_sizes, m: int, block_m: int):
     """[3, T] int32: (group, row start, row end) of each row tile; T = cdiv(M, block_m) + G.
 
     group == G marks a tile of the rows past sum(group_sizes) (written as zeros); group == -1 marks
-    an unused slot. Computed in plain JAX (outside the kernel), so the grid stays static.
+    an unused slot. Computed in plain JAX (outside the kernel), so the grid stays static; written as
+    one fused cumsum (rows and tiles of every group together) and one compare-and-count, because
+    at decode each extra small XLA kernel costs microseconds next to a ~0.3 ms grouped matmul.
+    Groups past row M (sum(group_sizes) > M breaks the contract) are clipped: their tiles past M
+    are unused slots.
     """
     g = group_sizes.shape[0]
     gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(gs), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    total = ends[-1] if g else jnp.int32(0)
-    starts_x = jnp.concatenate([starts, total[None]])
-    ends_x = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
-    sizes_x = ends_x - starts_x
-    tiles_per = (sizes_x + block_m - 1) // block_m
-    tile_cum = jnp.cumsum(tiles_per)
     n_tiles = pl.cdiv(m, block_m) + g
+    cum = _inclusive_cumsum(jnp.stack([gs, (gs + block_m - 1) // block_m]))  # [2, G]
+    row_end = jnp.minimum(cum[0], m)
+    row_start = jnp.minimum(cum[0] - gs, m)
+    zero_rows = m - (row_end[-1] if g else jnp.int32(0))  # the zero group after the last
+    tile_end = jnp.concatenate([cum[1], (cum[1, -1:] if g else jnp.zeros((1,), jnp.int32))
+                                + (zero_rows + block_m - 1) // block_m])  # [G + 1]
+    tiles_x = jnp.concatenate([(gs + block_m - 1) // block_m,
+                               ((zero_rows + block_m - 1) // block_m)[None]])
+    starts_x = jnp.concatenate([row_start, (m - zero_rows)[None]])
+    ends_x = jnp.concatenate([row_end, jnp.full((1,), m, jnp.int32)])
     t = jnp.arange(n_tiles, dtype=jnp.int32)
-    grp = jnp.searchsorted(tile_cum, t, side="right", method="compare_all").astype(jnp.int32)
-    valid = grp <= g
+    grp = jnp.sum(tile_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)  # searchsorted, right
     gc = jnp.minimum(grp, g)
-    first = tile_cum[gc] - tiles_per[gc]
+    first = tile_end[gc] - tiles_x[gc]
     start = starts_x[gc] + (t - first) * block_m
     end = jnp.minimum(start + block_m, ends_x[gc])
+    valid = (grp <= g) & (end > start)
     return jnp.stack([jnp.where(valid, gc, -1), jnp.where(valid, start, 0),
                       jnp.where(valid, end, 0)]).astype(jnp.int32)
 

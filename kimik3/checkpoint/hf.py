@@ -190,10 +190,20 @@ def _checkpoint_dtype(raw_config: dict) -> str:
     return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(str(d), "bfloat16")
 
 
-def load_hf(path: str, mesh=None, dtype: str | None = None, mxfp4_layout: str = "k3") -> Model:
-    """Load an HF checkpoint directory. dtype None keeps the checkpoint's dtype. mxfp4_layout
-    "paired" re-encodes MXFP4 experts as they are read, for the faster CUDA decode kernel
-    (Config.mxfp4_layout; kernels_pallas/moe/paired.py)."""
+def auto_mxfp4_layout(cfg: Config) -> str:
+    """"paired" where its kernel runs (CUDA, bf16 activations, MXFP4 experts), else "k3"."""
+    from kernels_pallas._backend import kernel_platform
+
+    ok = (cfg.expert_format == "mxfp4" and cfg.dtype == "bfloat16" and cfg.expert_in_dim % 16 == 0
+          and kernel_platform() == "cuda")
+    return "paired" if ok else "k3"
+
+
+def load_hf(path: str, mesh=None, dtype: str | None = None, mxfp4_layout: str = "auto") -> Model:
+    """Load an HF checkpoint directory. dtype None keeps the checkpoint's dtype. mxfp4_layout:
+    "k3" keeps MXFP4 experts' bytes as stored; "paired" re-encodes them as they are read, for the
+    faster CUDA decode kernel (Config.mxfp4_layout; kernels_pallas/moe/paired.py); "auto" picks
+    "paired" on an NVIDIA GPU with bf16 activations (`auto_mxfp4_layout`), else "k3"."""
     from ..params import abstract as abstract_tree
 
     with open(os.path.join(path, "config.json")) as f:
@@ -202,8 +212,10 @@ def load_hf(path: str, mesh=None, dtype: str | None = None, mxfp4_layout: str = 
     keys = [k for f in files for k in f.keys()]
     packed = any(k.endswith(".weight_packed") for k in keys)
     dt = dtype or _checkpoint_dtype(raw)
-    cfg = Config.from_hf(path).replace(expert_format="mxfp4" if packed else "dense", dtype=dt, param_dtype=dt,
-                                       mxfp4_layout=mxfp4_layout if packed else "k3")
+    cfg = Config.from_hf(path).replace(expert_format="mxfp4" if packed else "dense", dtype=dt, param_dtype=dt)
+    if mxfp4_layout == "auto":
+        mxfp4_layout = auto_mxfp4_layout(cfg)
+    cfg = cfg.replace(mxfp4_layout=mxfp4_layout if packed else "k3")
     router = next(((f, k) for f in files for k in f.keys() if k.endswith("block_sparse_moe.gate.weight")), None)
     if router is not None:  # the router keeps its stored precision (fp32 in Kimi Linear, bf16 in K3)
         cfg = cfg.replace(router_dtype=str(router[0].dtype(router[1])) if dtype is None else dt)
