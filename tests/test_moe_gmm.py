@@ -598,3 +598,13 @@ def test_paired_errors():
     gmm._check_paired(GmmConfig(16, 32, 32, dequant="split_asm_t"), interpret=False)
     assert gmm.default_config(64, 896, 3584, 384, True, True, platform="cuda",
                               layout="paired").dequant == "split_asm_t"
+
+
+def test_cuda_decode_never_picks_k_blocks_of_128_for_split_asm_t():
+    """split_asm_t at K blocks of 128 raced on the H200 (results_moe.md run 8): a K that 256 does
+    not divide (384, a TP8 rank's down projection) takes 256 with the tail masked, both layouts."""
+    from kernels_pallas.moe import gmm
+    for layout in ("k3", "paired"):
+        for k in (384, 3072, 3584):
+            cfg = gmm.default_config(64 * 16, 896, k, 3584, True, platform="cuda", layout=layout)
+            assert cfg.dequant == "split_asm_t" and cfg.block_k == 256, (layout, k, cfg)

@@ -55,6 +55,14 @@ times 2^-14 in the activation dtype; the 2^14 is applied once to the fp32 accumu
     in the same column order. The fp32 sums run in another order than in the other variants
     (permuted K, wgmma), so outputs agree with theirs to rounding, the weights bit for bit (the
     one-hot device check is exact). CUDA only, like the other "split_asm*" variants.
+The paired layout (`MXFP4PairedWeight`, `paired.py`): the packed bytes re-encoded at load time so
+  that "split_asm_t"'s nibble PTX is 8 integer instructions per 8 weights instead of 14 (offline
+  1184 -> 992 SASS instructions in the TP8 kernel; on the H200 8-9% faster, bit-exact). Its decode
+  depends on Triton packing bytes c, c + 1 of rows r and r + 8 into one asm operand, which the
+  device's one-hot check confirms. On a GPU only "split_asm_t" decodes it; the interpreter decodes
+  it back to K3 bytes per tile and runs any variant.
+K blocks of 128 in "split_asm_t" gave different outputs from call to call on the H200 in some
+  configs of both layouts (results_moe.md run 8; not root-caused): `default_config` uses 256.
 Triton notes (upstream Triton 3.6 compiled for sm_90 on CPU, SASS of the K loop, decode tile 16 x 128
 x 256, per dequantised weight): interleave 9.5 instructions (3.8 on the integer pipe), split 8.7,
 split_bf16 7.9, split_asm 5.3, split_asm_sub 4.0 (nibble PTX 1.75, scale multiply 0.5, x fragment
@@ -222,8 +230,18 @@ def _default_config(m, g, k, n, quant, glu_, platform, x_dtype, layout) -> GmmCo
         # bit-exact on the device) for the plain matmul; the fused gate/up keeps "split_asm_sub"
         # (its "split_asm_t" form compiles to 255 registers offline and was not timed).
         asm_variant = "split_asm_sub" if glu_ and layout != "paired" else "split_asm_t"
-        return GmmConfig(block_m=16, block_n=bn, block_k=_fit_k(256 if on_cuda else 128, k),
-                         num_warps=4, num_stages=4, dequant=asm_variant if asm else "split")
+        bk = _fit_k(256 if on_cuda else 128, k)
+        stages = 4
+        if asm and asm_variant == "split_asm_t" and bk < 256:
+            # "split_asm_t" with K blocks of 128 gave different outputs from call to call on the
+            # H200 (2026-12-02, results_moe.md run 8) in some configs of both layouts (NaN, 1e16
+            # errors in the K3 layout; a few hundred elements in the paired one): a race, not
+            # root-caused. K blocks of 256 never did, so a K that 256 does not divide (384: a
+            # TP8 rank's down-projection) runs bk 256 with the ragged tail masked, 3 stages:
+            # 0.29-0.47 ms at 64-512 tokens, 34-36% of copy, where bk 128 ran at 58-60%.
+            bk, stages = 256, 3
+        return GmmConfig(block_m=16, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
+                         dequant=asm_variant if asm else "split")
     if rows_per_group < 96:
         return GmmConfig(block_m=64, block_n=bn, block_k=_fit_k(64, k), block_m_small=16,
                          num_warps=4, num_stages=4)
