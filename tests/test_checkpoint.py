@@ -181,3 +181,13 @@ def test_auto_mxfp4_layout_is_paired_only_where_its_kernel_runs(tiny_models, exp
     assert hf.auto_mxfp4_layout(cfg.replace(dtype="bfloat16")) == "paired"
     assert hf.auto_mxfp4_layout(cfg.replace(dtype="float32")) == "k3"  # the PTX takes bf16 x only
     assert hf.auto_mxfp4_layout(cfg.replace(expert_format="dense")) == "k3"
+
+
+def test_paired_layout_onto_a_mesh(tiny_models, exported):
+    import sharding
+
+    mesh = sharding.make_mesh(tensor=4)
+    model = kimik3.load(exported["tiny"], mesh=mesh, mxfp4_layout="paired")
+    toks = np.arange(12, dtype=np.int32).reshape(1, 12)
+    np.testing.assert_allclose(np.asarray(kimik3.forward(model, toks)),
+                               np.asarray(kimik3.forward(tiny_models["tiny"], toks)), rtol=2e-5, atol=2e-5)
