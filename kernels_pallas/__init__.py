@@ -23,5 +23,5 @@ from .moe import (GmmConfig, MXFP4PairedWeight, MXFP4Weight, moe_gmm, moe_gmm_gl
                   moe_gmm_glu_reference, moe_gmm_reference, pair_mxfp4)
 from .moe import tile_metadata as moe_gmm_tile_metadata  # noqa: E402
 
-__all__ += ["GmmConfig", "MXFP4Weight", "MXFP4PairedWeight", "pair_mxfp4", "moe_gmm", "moe_gmm_glu", "moe_gmm_glu_reference",
-            "moe_gmm_reference", "moe_gmm_tile_metadata"]
+__all__ += ["GmmConfig", "MXFP4Weight", "MXFP4PairedWeight", "pair_mxfp4", "moe_gmm",
+            "moe_gmm_glu", "moe_gmm_glu_reference", "moe_gmm_reference", "moe_gmm_tile_metadata"]

@@ -108,6 +108,7 @@ class Config:
         need(self.router_dtype in DTYPES, "router_dtype", f"must be one of {DTYPES}")
         need(self.hidden_act in ACTIVATIONS, "hidden_act", f"must be one of {ACTIVATIONS}")
         need(self.expert_format in EXPERT_FORMATS, "expert_format", f"must be one of {EXPERT_FORMATS}")
+        need(self.mxfp4_layout in MXFP4_LAYOUTS, "mxfp4_layout", f"must be one of {MXFP4_LAYOUTS}")
         need(self.moe_placement in MOE_PLACEMENTS, "moe_placement", f"must be one of {MOE_PLACEMENTS}")
         need(isinstance(self.moe_dedup, bool), "moe_dedup", "must be True or False")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
@@ -131,7 +132,6 @@ class Config:
                  f"must divide num_experts={self.num_experts}")
             need(self.topk_group <= self.num_expert_group, "topk_group",
                  f"must be <= num_expert_group={self.num_expert_group}")
-            need(self.mxfp4_layout in MXFP4_LAYOUTS, "mxfp4_layout", f"must be one of {MXFP4_LAYOUTS}")
             if self.mxfp4_layout == "paired":
                 need(self.expert_format == "mxfp4", "mxfp4_layout",
                      "'paired' re-encodes MXFP4 experts; these experts are dense (use 'k3')")

@@ -5,6 +5,7 @@ import os
 
 from .checkpoint import is_orbax_dir, load_hf, load_orbax, save
 from .model import Model
+from .params import with_mxfp4_layout
 
 
 def load(path, mesh=None, dtype: str | None = None, mxfp4_layout: str | None = None) -> Model:
@@ -23,28 +24,10 @@ def load(path, mesh=None, dtype: str | None = None, mxfp4_layout: str | None = N
         model = load_orbax(path, mesh=mesh)
         if mxfp4_layout in (None, "auto", model.cfg.mxfp4_layout):
             return model
-        return with_mxfp4_layout(model, mxfp4_layout)
+        return with_mxfp4_layout(model, mxfp4_layout, donate=True)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path} has neither config.json (HF checkpoint) nor kimik3_config.json (Orbax)")
     return load_hf(path, mesh=mesh, dtype=dtype, mxfp4_layout=mxfp4_layout or "auto")
-
-
-def with_mxfp4_layout(model: Model, layout: str) -> Model:
-    """`model` with its MXFP4 experts' packed bytes in `layout` ("k3" | "paired"); the same numbers."""
-    import jax
-    import jax.numpy as jnp
-
-    from kernels_pallas.moe import paired
-
-    cfg = model.cfg.replace(mxfp4_layout=layout)  # validates the layout against the config
-    if layout == model.cfg.mxfp4_layout:
-        return model
-    fn = jax.jit(lambda a: paired.encode(a, jnp) if layout == "paired" else paired.decode(a, jnp))
-
-    def convert(path, leaf):
-        name = getattr(path[-1], "key", "")
-        return fn(leaf) if str(name).endswith("_packed") and "experts" in str(path) else leaf
-    return Model(params=jax.tree_util.tree_map_with_path(convert, model.params), cfg=cfg)
 
 
 __all__ = ["load", "save", "with_mxfp4_layout"]

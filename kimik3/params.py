@@ -35,6 +35,36 @@ def init(cfg: Config, seed: int = 0, mesh=None) -> Model:
     return Model(params=params, cfg=cfg)
 
 
+def _is_expert_packed(path) -> bool:
+    """A routed expert's packed MXFP4 bytes (`experts/*_packed`)."""
+    return (str(getattr(path[-1], "key", "")).endswith("_packed")
+            and any(getattr(k, "key", None) == "experts" for k in path))
+
+
+def with_mxfp4_layout(model: Model, layout: str, *, donate: bool = False) -> Model:
+    """`model` with its MXFP4 experts' packed bytes in `layout` ("k3" | "paired",
+    Config.mxfp4_layout): the same numbers. Converted by jit on the devices that hold each leaf,
+    keeping its sharding; donate=True reuses each leaf's buffer (the old tree becomes unusable:
+    for loaders that own it), so no second copy of the experts is ever held."""
+    cfg = model.cfg.replace(mxfp4_layout=layout)  # validates the layout against the config
+    if layout == model.cfg.mxfp4_layout:
+        return model
+    from kernels_pallas.moe import paired
+
+    code = paired.encode if layout == "paired" else paired.decode
+    fns = {}  # one jit per output sharding (the layers' leaves share shapes and shardings)
+
+    def convert(path, leaf):
+        if not _is_expert_packed(path):
+            return leaf
+        sharding = getattr(leaf, "sharding", None)
+        if sharding not in fns:
+            fns[sharding] = jax.jit(lambda a: code(a, jnp), out_shardings=sharding,
+                                    donate_argnums=(0,) if donate else ())
+        return fns[sharding](leaf)
+    return Model(params=jax.tree_util.tree_map_with_path(convert, model.params), cfg=cfg)
+
+
 def _logical_size(path, leaf) -> int:
     """Parameters a leaf stands for: MXFP4 packed bytes hold two values, scales are metadata."""
     name = str(getattr(path[-1], "key", path[-1]))

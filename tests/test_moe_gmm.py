@@ -560,13 +560,15 @@ def test_paired_ptx_emulated_gives_the_sub_bits_of_the_original_bytes():
     assert len({tuple(int(regs[k][i]) for k in regs) for i in range(u.size)}) == u.size
 
 
-@pytest.mark.parametrize("dequant", ["split", "split_asm_t", "interleave"])
-def test_paired_weights_through_the_kernel(dequant):
+@pytest.mark.parametrize("dequant,k", [("split", 128), ("split_asm_t", 128), ("interleave", 128),
+                                       ("split_asm_t", 96), ("split", 96)])
+def test_paired_weights_through_the_kernel(dequant, k):
     """Paired MXFP4 weights in the kernel (interpret: decoded to K3 bytes per tile) == the
-    reference on the K3 weights, with an empty expert and rows past the sum."""
+    reference on the K3 weights, with an empty expert, rows past the sum and (K 96, blocks of
+    64) a ragged last K block."""
     from kernels_pallas.moe import MXFP4PairedWeight, pair_mxfp4
-    rng = np.random.default_rng(6)
-    g, k, n = 3, 128, 48
+    rng = np.random.default_rng(6 + k)
+    g, n = 3, 48
     p = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
     sc = rng.integers(118, 130, (g, n, k // 32), dtype=np.uint8)
     w = MXFP4Weight(jnp.asarray(p), jnp.asarray(sc))

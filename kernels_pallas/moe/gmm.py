@@ -57,7 +57,7 @@ times 2^-14 in the activation dtype; the 2^14 is applied once to the fp32 accumu
     one-hot device check is exact). CUDA only, like the other "split_asm*" variants.
 The paired layout (`MXFP4PairedWeight`, `paired.py`): the packed bytes re-encoded at load time so
   that "split_asm_t"'s nibble PTX is 8 integer instructions per 8 weights instead of 14 (offline
-  1184 -> 992 SASS instructions in the TP8 kernel; on the H200 8-9% faster, bit-exact). Its decode
+  1184 -> 992 SASS instructions in the TP8 kernel; on the H200 7-9% faster, bit-exact). Its decode
   depends on Triton packing bytes c, c + 1 of rows r and r + 8 into one asm operand, which the
   device's one-hot check confirms. On a GPU only "split_asm_t" decodes it; the interpreter decodes
   it back to K3 bytes per tile and runs any variant.
@@ -210,7 +210,8 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
     if quant and layout == "paired" and (platform or kernel_platform()) == "cuda" \
             and jnp.dtype(x_dtype) == jnp.bfloat16:
         # the paired layout decodes only in "split_asm_t" (any K block of 32s; the middle and
-        # prefill regimes' MXFP4 kernels are otherwise "interleave")
+        # prefill regimes' MXFP4 kernels are otherwise "interleave"). Prefill keeps bk 64: its
+        # rows in results_moe.md run 8 showed no call-to-call differences (the bk-128 race).
         cfg = dataclasses.replace(cfg, dequant="split_asm_t")
     return cfg
 

@@ -46,11 +46,15 @@ class MXFP4PairedWeight(MXFP4Weight):
         return paired.decode(self.packed, jnp)
 
 
-def pair_mxfp4(w: MXFP4Weight, xp=jnp) -> MXFP4PairedWeight:
-    """Re-encode K3-layout MXFP4 weights in the paired layout (N a multiple of 16)."""
+def pair_mxfp4(w: MXFP4Weight) -> MXFP4PairedWeight:
+    """Re-encode K3-layout MXFP4 weights in the paired layout (N a multiple of 16), jitted on the
+    device that holds them (a model's experts: kimik3.params.with_mxfp4_layout)."""
     if isinstance(w, MXFP4PairedWeight):
         return w
-    return MXFP4PairedWeight(paired.encode(w.packed, xp), w.scales)
+    return MXFP4PairedWeight(_encode_jit(w.packed), w.scales)
+
+
+_encode_jit = jax.jit(lambda p: paired.encode(p, jnp))
 
 
 def is_mxfp4(w) -> bool:

@@ -19,8 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.moe import paired
-
 from ..config import Config
 from ..model import Model
 from .safetensors_io import CheckpointError, SafetensorsFile
@@ -43,11 +41,6 @@ def _T(a):
 
 def _ident(a):
     return a
-
-
-def _pair(a):
-    """K3 packed MXFP4 bytes [out, in/2] -> the paired layout (Config.mxfp4_layout='paired')."""
-    return paired.encode(a)
 
 
 def _flat(a):
@@ -138,8 +131,7 @@ def hf_param_map(cfg: Config, abstract: dict, prefix: str, head_key: str) -> dic
                         m[f"{b}experts.{e}.{name}.weight"] = Slot(path, e, (leaf.shape[2], leaf.shape[1]), _T)
                     else:  # w1_packed -> w1.weight_packed, w1_scale -> w1.weight_scale
                         w, kind = name.split("_")
-                        fn = _pair if kind == "packed" and cfg.mxfp4_layout == "paired" else _ident
-                        m[f"{b}experts.{e}.{w}.weight_{kind}"] = Slot(path, e, tuple(leaf.shape[1:]), fn)
+                        m[f"{b}experts.{e}.{w}.weight_{kind}"] = Slot(path, e, tuple(leaf.shape[1:]), _ident)
     return m
 
 
@@ -201,9 +193,10 @@ def auto_mxfp4_layout(cfg: Config) -> str:
 
 def load_hf(path: str, mesh=None, dtype: str | None = None, mxfp4_layout: str = "auto") -> Model:
     """Load an HF checkpoint directory. dtype None keeps the checkpoint's dtype. mxfp4_layout:
-    "k3" keeps MXFP4 experts' bytes as stored; "paired" re-encodes them as they are read, for the
-    faster CUDA decode kernel (Config.mxfp4_layout; kernels_pallas/moe/paired.py); "auto" picks
-    "paired" on an NVIDIA GPU with bf16 activations (`auto_mxfp4_layout`), else "k3"."""
+    "k3" keeps MXFP4 experts' bytes as stored; "paired" re-encodes them after reading, on the
+    devices that hold them (`with_mxfp4_layout`), for the faster CUDA decode kernel
+    (Config.mxfp4_layout; kernels_pallas/moe/paired.py); "auto" picks "paired" on an NVIDIA GPU
+    with bf16 activations (`auto_mxfp4_layout`), else "k3"."""
     from ..params import abstract as abstract_tree
 
     with open(os.path.join(path, "config.json")) as f:
@@ -215,7 +208,9 @@ def load_hf(path: str, mesh=None, dtype: str | None = None, mxfp4_layout: str = 
     cfg = Config.from_hf(path).replace(expert_format="mxfp4" if packed else "dense", dtype=dt, param_dtype=dt)
     if mxfp4_layout == "auto":
         mxfp4_layout = auto_mxfp4_layout(cfg)
-    cfg = cfg.replace(mxfp4_layout=mxfp4_layout if packed else "k3")
+    layout = mxfp4_layout if packed else "k3"
+    if layout not in ("k3", "paired"):
+        raise ValueError(f"mxfp4_layout={mxfp4_layout!r}: use 'k3', 'paired' or 'auto'")
     router = next(((f, k) for f in files for k in f.keys() if k.endswith("block_sparse_moe.gate.weight")), None)
     if router is not None:  # the router keeps its stored precision (fp32 in Kimi Linear, bf16 in K3)
         cfg = cfg.replace(router_dtype=str(router[0].dtype(router[1])) if dtype is None else dt)
@@ -279,4 +274,5 @@ def load_hf(path: str, mesh=None, dtype: str | None = None, mxfp4_layout: str = 
                               f"e.g. {missing[:4]}; the checkpoint is incomplete or does not match config.json")
     if skipped:
         print(f"kimik3.load: skipped {skipped} vision/projector tensors (text model only)")
-    return Model(params=params, cfg=cfg)
+    from ..params import with_mxfp4_layout  # re-encode on the devices, each leaf in place
+    return with_mxfp4_layout(Model(params=params, cfg=cfg), layout, donate=True)

@@ -9,11 +9,10 @@ import os
 import jax
 import numpy as np
 
-from kernels_pallas.moe import paired
-
 from ..config import config_to_hf_dict
 from ..model import Model
-from .hf import _T, _first, _flat, _get, _pair, _squeeze_mid, hf_param_map
+from ..params import with_mxfp4_layout
+from .hf import _T, _first, _flat, _get, _squeeze_mid, hf_param_map
 from .safetensors_io import write_safetensors
 
 
@@ -23,8 +22,6 @@ def _inverse(slot, arr, cfg, k3):
         return arr.T
     if fn is _squeeze_mid:
         return arr.reshape(arr.shape[0], 1, arr.shape[1])
-    if fn is _pair:
-        return paired.decode(arr)
     if fn is _flat:
         return arr.reshape(1, -1)
     if slot.hf_shape is None:  # A_log: K3 pads to head_dim with zeros, Kimi Linear stores [1,1,H,1]
@@ -35,6 +32,7 @@ def _inverse(slot, arr, cfg, k3):
 
 
 def export_hf(model: Model, path: str, num_shards: int = 2, extra_tensors: dict | None = None):
+    model = with_mxfp4_layout(model, "k3")  # HF checkpoints hold K3's bytes
     cfg = model.cfg
     k3 = cfg.attn_res_block_size > 0
     prefix, head = ("language_model.model.", "language_model.lm_head.weight") if k3 else ("model.", "lm_head.weight")
