@@ -37,7 +37,8 @@ layer_gmm,layer):
            against the SiTU of torch's two halves; the layer's default is the unfused form).
            BENCH_LAYER_MXFP4_EXTRA="bn64:block_n=64;..." also times the MXFP4 rows with the default
            config's fields replaced, in each of BENCH_MXFP4_LAYOUTS (benchmarks/config_strings.py
-           syntax). Times: GPU kernel time from the profiler (benchmarks/kernel_timer.py) for
+           syntax); BENCH_LAYER_BF16_EXTRA the same for the bf16 rows (bf16_NAME);
+           BENCH_LAYER_GMM_ONLY="bf16" runs only the rows whose kind starts so. Times: GPU kernel time from the profiler (benchmarks/kernel_timer.py) for
            ours (every kernel of the call; moe_gmm's own listed too) and torch.
   layer    (opt-in) the full MoE layer, kimik3.layers.moe.moe_apply (router, sort / permute,
            gate/up (two products, SiTU after) + down grouped matmuls, weighted combine, latent down/up-projection +
@@ -141,6 +142,8 @@ BF16_DECODE = {64: C(16, 256, 128, num_warps=8, num_stages=4),
 PREFILL_SWEEP = [
     C(128, 256, 64, block_m_small=32, num_warps=8, num_stages=3),  # best of 2026-11-29 (1.992 ms)
     C(128, 256, 64, block_m_small=32, num_warps=8, num_stages=4),  # deeper pipeline (192 KiB smem)
+    C(128, 256, 64, block_m_small=32, num_warps=8, num_stages=4,   # the default since run 9:
+      transpose_small=True),                                        # short tiles on wgmma
     C(128, 128, 128, block_m_small=32, num_warps=8, num_stages=3),
     C(128, 128, 64, block_m_small=32, num_warps=4, num_stages=4),
     C(64, 256, 64, block_m_small=32, num_warps=4, num_stages=4),   # 3 tiles per 146-row expert
@@ -705,8 +708,15 @@ def ours_case(fn, args, y_ref, flop, wbytes, ceil, cfg_name, cpu, tol=1e-2):
     return ent
 
 
-MXFP4_EXTRA = [(item.partition(":")[0], parse_overrides(item.partition(":")[2]))
-               for item in filter(None, os.environ.get("BENCH_LAYER_MXFP4_EXTRA", "").split(";"))]
+def _extra_configs(env: str):
+    """[(name, GmmConfig field overrides)] from "name:block_n=64,...;..." in the environment."""
+    bools = {"unroll_k", "transpose_small"}
+    return [(item.partition(":")[0], parse_overrides(item.partition(":")[2], bools))
+            for item in filter(None, os.environ.get(env, "").split(";"))]
+
+
+MXFP4_EXTRA = _extra_configs("BENCH_LAYER_MXFP4_EXTRA")
+BF16_EXTRA = _extra_configs("BENCH_LAYER_BF16_EXTRA")
 
 
 def layer_gmm_section(run, ctx, token_list, shapes, table):
@@ -717,6 +727,8 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
     [G, K, N] bf16 copy (gate_up: then the two halves for the fused gate/up)."""
     G, TOPK, cpu, backend, ceil = ctx["G"], ctx["TOPK"], ctx["cpu"], ctx["backend"], ctx["ceil"]
     plat = "interpret" if backend == "interpret" else None
+    # BENCH_LAYER_GMM_ONLY="bf16": only the rows whose kind starts so (bf16, bf16_NAME)
+    only = tuple(filter(None, os.environ.get("BENCH_LAYER_GMM_ONLY", "").split(",")))
     res = run.res.setdefault("layer_gmm", {})
     rng = np.random.default_rng(5)
     routings = {t: routing(rng, t, G, TOPK) for t in token_list}  # one per token count, all shapes
@@ -773,6 +785,8 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
         def ours(t, kind, fn, args, cfg, y_ref, tol=1e-2):
             c = cases[t]
             label = f"layer_gmm {sname} {t} ours_{kind}"
+            if only and not kind.startswith(only):
+                return
             if not run.start(label):
                 return
             wb = c["wbytes"]["mxfp4" if "mxfp4" in kind else "bf16"]
@@ -821,9 +835,14 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
             w_kn = dequant_device(wq, "kn")
             del wq
             for t, c in cases.items():
+                base = default_config(t * TOPK, G, K, N, False, platform=plat)
                 ours(t, "bf16", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
-                     (c["x"], w_kn, c["gs"]),
-                     default_config(t * TOPK, G, K, N, False, platform=plat), peers.get(t))
+                     (c["x"], w_kn, c["gs"]), base, peers.get(t))
+                for name, kw in BF16_EXTRA:  # rows bf16_NAME: the default with fields replaced
+                    cfg_x = dataclasses.replace(base, **kw)
+                    ours(t, f"bf16_{name}", lambda a, b, g, c_=cfg_x: moe_gmm(
+                        a, b, g, backend=backend, config=c_), (c["x"], w_kn, c["gs"]), cfg_x,
+                        peers.get(t))
             del w_kn
         if fused and run.elapsed() <= run.budget:
             h_kn = [dequant_device(h, "kn") for h in halves]

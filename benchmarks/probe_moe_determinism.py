@@ -3,6 +3,8 @@
 K 3584 x N 768 and K 384 x N 3584), against moe_gmm on the exact bf16 weights.
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/probe_moe_determinism.py
+  PROBE_CONFIGS="128,128,1,u;128,256,3" PROBE_K=384 PROBE_TOKENS=512 ...
+      # bn,bk,stages[,u = unroll_k][,npN = n_per_program]; K filter; tokens (default 64)
 
 Prints per config: elements that differ between calls, the max error range, non-finite outputs,
 the first rows that are wrong. Found (2026-12-02, results_moe.md run 8): some configs with K
@@ -25,21 +27,40 @@ G, TOPK = 896, 16
 CONFIGS = ((128, 256, 4), (128, 128, 4), (64, 128, 4), (128, 128, 3), (64, 128, 3))  # bn, bk, stages
 
 
-def main(calls=8):
+def _configs():
+    """PROBE_CONFIGS "bn,bk,stages[,u][,npN];..." (u: the K loop unrolled; npN: N column blocks
+    per program) or the default set."""
+    env = os.environ.get("PROBE_CONFIGS")
+    if not env:
+        return [GmmConfig(16, bn, bk, num_warps=4, num_stages=st, dequant="split_asm_t")
+                for bn, bk, st in CONFIGS]
+    out = []
+    for item in filter(None, env.split(";")):
+        f = item.split(",")
+        flags = f[3:]
+        nps = [int(v[2:]) for v in flags if v.startswith("np")]
+        out.append(GmmConfig(16, int(f[0]), int(f[1]), num_warps=4, num_stages=int(f[2]),
+                             dequant="split_asm_t", unroll_k="u" in flags,
+                             n_per_program=nps[0] if nps else 1))
+    return out
+
+
+def main(calls=int(os.environ.get("PROBE_CALLS", "8"))):
     if jax.default_backend() != "gpu":
         raise SystemExit("a GPU probe: the split_asm_t kernel is CUDA inline PTX")
     rng = np.random.default_rng(5)
     f32 = jnp.float32
-    for k, n in ((3584, 768), (384, 3584)):
+    ks = [int(v) for v in os.environ.get("PROBE_K", "3584,384").split(",")]
+    tokens = int(os.environ.get("PROBE_TOKENS", "64"))
+    for k, n in [(k, n) for k, n in ((3584, 768), (384, 3584)) if k in ks]:
         w = rand_mxfp4_device(jax.random.key(k), G, n, k)
         wp = pair_mxfp4(w)
         wd = dequant_device(w, "kn")
-        gs = jnp.asarray(routing(rng, 64, G, TOPK))
-        x = jax.random.normal(jax.random.key(64), (64 * TOPK, k), jnp.bfloat16)
+        gs = jnp.asarray(routing(rng, tokens, G, TOPK))
+        x = jax.random.normal(jax.random.key(64), (tokens * TOPK, k), jnp.bfloat16)
         ref = np.asarray(jax.jit(lambda a, b, g: moe_gmm(a, b, g, preferred_element_type=f32))(
             x, wd, gs))
-        for bn, bk, st in CONFIGS:
-            cfg = GmmConfig(16, bn, bk, num_warps=4, num_stages=st, dequant="split_asm_t")
+        for cfg in _configs():
             for name, ww in (("k3", w), ("paired", wp)):
                 f = jax.jit(lambda a, b, g, c=cfg: moe_gmm(a, b, g, config=c,
                                                            preferred_element_type=f32))
@@ -48,7 +69,7 @@ def main(calls=8):
                 errs = [float(np.max(np.abs(o - ref))) for o in outs]
                 nonfin = sum(int(np.sum(~np.isfinite(o))) for o in outs)
                 wrong = np.abs(outs[0] - ref).max(1) > 1e-2 * np.abs(ref).max()
-                print(f"K{k} N{n} {cfg.name()} {name}: run-to-run differing elements {vary}, "
+                print(f"T{tokens} K{k} N{n} {cfg.name()} {name}: run-to-run differing elements {vary}, "
                       f"max|err| {min(errs):.3g}..{max(errs):.3g}, non-finite {nonfin}, "
                       f"wrong rows {np.nonzero(wrong)[0][:8].tolist()}", flush=True)
 

@@ -66,6 +66,25 @@ CASES += [
      GmmConfig(16, 32, 64, dequant="split_asm")),
     (52, 128, 64, 4, "random", "mxfp4", jnp.float32,
      GmmConfig(32, 64, 128, block_m_small=16, dequant="interleave_bf16")),
+    # the K loop unrolled (unroll_k): ragged K (96 in blocks of 64), bf16, MXFP4, short tiles
+    (45, 96, 48, 6, "empty_and_short", "bf16", jnp.bfloat16,
+     GmmConfig(16, 32, 64, num_stages=1, unroll_k=True)),
+    (61, 96, 40, 7, "random", "mxfp4", jnp.bfloat16,
+     GmmConfig(16, 32, 64, num_stages=1, dequant="split_asm_t", unroll_k=True)),
+    (50, 128, 32, 4, "one_takes_all", "mxfp4", jnp.float32,
+     GmmConfig(32, 32, 32, block_m_small=16, num_stages=1, unroll_k=True)),
+    # several column blocks per program (n_per_program): N 40 in blocks of 16, 2 or 4 a program
+    # (the last blocks partly / wholly past N), ragged K, bf16 and MXFP4, zero-group tiles
+    (45, 96, 40, 6, "empty_and_short", "bf16", jnp.bfloat16, GmmConfig(16, 16, 64, n_per_program=2)),
+    (61, 96, 40, 7, "empty_and_short", "mxfp4", jnp.bfloat16,
+     GmmConfig(16, 16, 64, dequant="split_asm_t", n_per_program=4)),
+    (52, 128, 64, 4, "random", "mxfp4", jnp.float32,
+     GmmConfig(32, 16, 32, block_m_small=16, dequant="split", n_per_program=2)),
+    # dense short tiles as the transposed product (transpose_small): ragged K and N
+    (77, 96, 40, 5, "random", "bf16", jnp.bfloat16,
+     GmmConfig(32, 16, 64, block_m_small=16, transpose_small=True)),
+    (50, 64, 48, 4, "empty_and_short", "fp32", jnp.float32,
+     GmmConfig(64, 32, 32, block_m_small=16, transpose_small=True, n_per_program=2)),
 ]
 
 
@@ -74,6 +93,12 @@ def _case_id(c):
     tail = "" if cfg is None else f"-{cfg.dequant}"
     if cfg is not None and cfg.x_split != "pre":
         tail += f"-x{cfg.x_split}"
+    if cfg is not None and cfg.unroll_k:
+        tail += "-unrolled"
+    if cfg is not None and cfg.n_per_program > 1:
+        tail += f"-np{cfg.n_per_program}"
+    if cfg is not None and cfg.transpose_small:
+        tail += "-tsmall"
     return f"M{c[0]}K{c[1]}N{c[2]}G{c[3]}-{c[4]}-{c[5]}-{jnp.dtype(c[6]).name}" + tail
 
 
@@ -423,6 +448,9 @@ def test_config_validation():
         GmmConfig(dequant="nibble")
     with pytest.raises(ValueError):
         GmmConfig(x_split="gather")
+    with pytest.raises(ValueError, match="num_stages=1"):
+        GmmConfig(unroll_k=True)  # unrolled: there is no pipeline to give stages to
+    assert GmmConfig(16, 128, 128, num_stages=1, unroll_k=True).name().endswith("_s1_unrolled")
     assert dequant_variant("split_asm_sub") == (True, "asm_sub")
     assert dequant_variant("split_asm_t") == (True, "asm_t")
     assert dequant_variant("interleave") == (False, "f16")
@@ -560,9 +588,10 @@ def test_paired_ptx_emulated_gives_the_sub_bits_of_the_original_bytes():
     assert len({tuple(int(regs[k][i]) for k in regs) for i in range(u.size)}) == u.size
 
 
-@pytest.mark.parametrize("dequant,k", [("split", 128), ("split_asm_t", 128), ("interleave", 128),
-                                       ("split_asm_t", 96), ("split", 96)])
-def test_paired_weights_through_the_kernel(dequant, k):
+@pytest.mark.parametrize("dequant,k,unroll", [
+    ("split", 128, False), ("split_asm_t", 128, False), ("interleave", 128, False),
+    ("split_asm_t", 96, False), ("split", 96, False), ("split_asm_t", 96, True)])
+def test_paired_weights_through_the_kernel(dequant, k, unroll):
     """Paired MXFP4 weights in the kernel (interpret: decoded to K3 bytes per tile) == the
     reference on the K3 weights, with an empty expert, rows past the sum and (K 96, blocks of
     64) a ragged last K block."""
@@ -577,8 +606,8 @@ def test_paired_weights_through_the_kernel(dequant, k):
     x = jnp.asarray(rng.normal(size=(21, k)), jnp.bfloat16)
     gs = jnp.array([7, 0, 11], jnp.int32)
     ref = moe_gmm(x, w, gs, backend="reference", preferred_element_type=jnp.float32)
-    y = moe_gmm(x, wp, gs, backend="interpret", config=GmmConfig(16, 32, 64, dequant=dequant),
-                preferred_element_type=jnp.float32)
+    cfg = GmmConfig(16, 32, 64, dequant=dequant, num_stages=1 if unroll else 3, unroll_k=unroll)
+    y = moe_gmm(x, wp, gs, backend="interpret", config=cfg, preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-3, atol=2e-3)
     np.testing.assert_array_equal(np.asarray(y[18:]), 0)
     yr = moe_gmm(x, wp, gs, backend="reference", preferred_element_type=jnp.float32)
@@ -602,11 +631,16 @@ def test_paired_errors():
                               layout="paired").dequant == "split_asm_t"
 
 
-def test_cuda_decode_never_picks_k_blocks_of_128_for_split_asm_t():
-    """split_asm_t at K blocks of 128 raced on the H200 (results_moe.md run 8): a K that 256 does
-    not divide (384, a TP8 rank's down projection) takes 256 with the tail masked, both layouts."""
+def test_cuda_decode_takes_k_blocks_of_128_only_in_the_flattened_loop():
+    """split_asm_t at K blocks of 128 raced on the H200 in the plain K loop (results_moe.md runs
+    8-9): K blocks of 256 where 256 divides K; otherwise (384, a TP8 rank's down projection)
+    128 in the loop over 4 column blocks a program, which never raced. Both layouts."""
     from kernels_pallas.moe import gmm
     for layout in ("k3", "paired"):
-        for k in (384, 3072, 3584):
+        for k in (3072, 3584):
             cfg = gmm.default_config(64 * 16, 896, k, 3584, True, platform="cuda", layout=layout)
             assert cfg.dequant == "split_asm_t" and cfg.block_k == 256, (layout, k, cfg)
+            assert cfg.n_per_program == 1
+        cfg = gmm.default_config(512 * 16, 896, 384, 3584, True, platform="cuda", layout=layout)
+        assert (cfg.dequant, cfg.block_k, cfg.n_per_program, cfg.num_stages) == \
+            ("split_asm_t", 128, 4, 3), (layout, cfg)

@@ -13,6 +13,9 @@ group's weights) run side by side and hit L2. Only non-empty groups have tiles, 
 expert's weights are never read: at decode, the cost is streaming the weights of the experts that
 received tokens. A tile with few rows (the tail of a group) runs a smaller `block_m_small` row block
 so prefill does not pay a full block_m of padding per expert.
+With `n_per_program` > 1 a program takes that many column blocks in one flattened (column block,
+K block) loop: one pipeline fill per program instead of per block, which is what a short K needs
+(a TP8 rank's down projection, K 384: 36% -> 65% of copy on the H200, results_moe.md run 9).
 
 MXFP4 in the kernel: every dequantisation variant (`GmmConfig.dequant`) produces the exact weight
 times 2^-14 in the activation dtype; the 2^14 is applied once to the fp32 accumulator.
@@ -62,7 +65,9 @@ The paired layout (`MXFP4PairedWeight`, `paired.py`): the packed bytes re-encode
   device's one-hot check confirms. On a GPU only "split_asm_t" decodes it; the interpreter decodes
   it back to K3 bytes per tile and runs any variant.
 K blocks of 128 in "split_asm_t" gave different outputs from call to call on the H200 in some
-  configs of both layouts (results_moe.md run 8; not root-caused): `default_config` uses 256.
+  configs of both layouts (results_moe.md runs 8-9; not root-caused) in the plain K loop:
+  `default_config` uses 256, and 128 only in the flattened loop over several column blocks
+  (`n_per_program`), which never differed in the probes and is the fast form for a short K.
 Triton notes (upstream Triton 3.6 compiled for sm_90 on CPU, SASS of the K loop, decode tile 16 x 128
 x 256, per dequantised weight): interleave 9.5 instructions (3.8 on the integer pipe), split 8.7,
 split_bf16 7.9, split_asm 5.3, split_asm_sub 4.0 (nibble PTX 1.75, scale multiply 0.5, x fragment
@@ -138,16 +143,39 @@ class GmmConfig:
     num_stages: int = 3
     dequant: str = "interleave"  # MXFP4 only: one of DEQUANT_VARIANTS ("split_asm*": CUDA only)
     x_split: str = "pre"  # split variants: x's even/odd columns gathered "pre" kernel or "stride"
+    # K loop unrolled in Python (no scf.for, so no software pipeline and no shared-memory rings:
+    # every K block's loads are plain loads the compiler schedules up front). For short K, as a
+    # TP8 rank's down projection (K 384: 3 blocks of 128), where the pipelined "split_asm_t"
+    # with 128-wide K blocks raced on the H200 (results_moe.md run 8).
+    unroll_k: bool = False
+    # Column blocks per program, walked in one flattened (column block, K block) loop that the
+    # software pipeline streams through without a break; each block's result is stored when its
+    # last K block is done. For short K (a TP8 rank's down projection: 3 K blocks of 128), where
+    # a program per column block is mostly pipeline fill and drain.
+    n_per_program: int = 1
+    # Dense weights: the short tiles (block_m_small rows) as the transposed product
+    # w^T [block_n, K] . x^T -> [block_n, rows], so that the weights fill the MMA's M side (a
+    # 32-row tile is below the 64 rows of one H100/H200 wgmma) and the rows are its N side.
+    transpose_small: bool = False
 
     def __post_init__(self):
         dequant_variant(self.dequant)
         if self.x_split not in X_SPLITS:
             raise ValueError(f"x_split={self.x_split!r} is not one of {X_SPLITS}")
+        if self.n_per_program < 1:
+            raise ValueError(f"n_per_program must be >= 1, got {self.n_per_program}")
+        if self.unroll_k and self.n_per_program > 1:
+            raise ValueError("unroll_k=True takes one column block per program (n_per_program=1)")
+        if self.unroll_k and self.num_stages != 1:
+            raise ValueError(f"unroll_k=True has no software pipeline: give num_stages=1 "
+                             f"(got {self.num_stages})")
 
     def name(self) -> str:
         """Short label: bm/small, bn, bk, warps, stages (+ MXFP4 dequant options when not default)."""
         s = (f"bm{self.block_m}/{self.block_m_small}_bn{self.block_n}_bk{self.block_k}"
-             f"_w{self.num_warps}_s{self.num_stages}")
+             f"_w{self.num_warps}_s{self.num_stages}" + ("_unrolled" if self.unroll_k else "")
+             + (f"_np{self.n_per_program}" if self.n_per_program > 1 else "")
+             + ("_tsmall" if self.transpose_small else ""))
         if self.dequant != "interleave":
             s += f"_{self.dequant}"
             if self.x_split != "pre" and self.dequant.startswith("split"):
@@ -232,25 +260,30 @@ def _default_config(m, g, k, n, quant, glu_, platform, x_dtype, layout) -> GmmCo
         # (its "split_asm_t" form compiles to 255 registers offline and was not timed).
         asm_variant = "split_asm_sub" if glu_ and layout != "paired" else "split_asm_t"
         bk = _fit_k(256 if on_cuda else 128, k)
-        stages = 4
+        stages, n_per = 4, 1
         if asm and asm_variant == "split_asm_t" and bk < 256:
-            # "split_asm_t" with K blocks of 128 gave different outputs from call to call on the
-            # H200 (2026-12-02, results_moe.md run 8) in some configs of both layouts (NaN, 1e16
-            # errors in the K3 layout; a few hundred elements in the paired one): a race, not
-            # root-caused. K blocks of 256 never did, so a K that 256 does not divide (384: a
-            # TP8 rank's down-projection) runs bk 256 with the ragged tail masked, 3 stages:
-            # 0.29-0.47 ms at 64-512 tokens, 34-36% of copy, where bk 128 ran at 58-60%.
-            bk, stages = 256, 3
+            # "split_asm_t" with K blocks of 128 in the plain K loop gave different outputs from
+            # call to call on the H200 in some configs of both layouts (results_moe.md runs 8-9:
+            # NaN in the K3 layout at bn64 s4, K 384; not root-caused). The same blocks in the
+            # flattened loop over 4 column blocks (n_per_program) showed no difference in any
+            # probe call (6 configs x 2 layouts x 8-12 calls, 64 and 512 tokens), and they are
+            # the fast form for a short K: a TP8 rank's down projection (K 384) at 64% of copy
+            # (paired; 0.163 ms at 64 tokens), where one column block per program at bk 256
+            # (the fallback until run 9) ran at 36% and bk 128 s4 at 58-60%.
+            bk, stages, n_per = 128, 3, 4
         return GmmConfig(block_m=16, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
-                         dequant=asm_variant if asm else "split")
+                         dequant=asm_variant if asm else "split", n_per_program=n_per)
     if rows_per_group < 96:
         return GmmConfig(block_m=64, block_n=bn, block_k=_fit_k(64, k), block_m_small=16,
                          num_warps=4, num_stages=4)
     if quant or glu_ or n < 256:
         return GmmConfig(block_m=128, block_n=bn, block_k=_fit_k(64, k), block_m_small=32,
                          num_warps=8 if glu_ else 4, num_stages=3)
+    # bf16 prefill: the short tiles as w^T . x^T (wgmma 64 x 32 instead of mma.sync): on the
+    # H200 (results_moe.md run 9) 13.91 -> 13.65 ms on the whole gate+up at 8192 tokens (2%),
+    # a tie on the other shapes
     return GmmConfig(block_m=128, block_n=256, block_k=_fit_k(64, k), block_m_small=32,
-                     num_warps=8, num_stages=4)
+                     num_warps=8, num_stages=4, transpose_small=True)
 
 
 def _fit_k(bk: int, k: int) -> int:
@@ -507,18 +540,21 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
     grp = meta_ref[0, t]
     r0 = meta_ref[1, t]
     r1 = meta_ref[2, t]
-    n0 = nb * bn
-    cols = n0 + jnp.arange(bn, dtype=jnp.int32)
-    col_ok = cols < n
+    n_inner = cfg.n_per_program
+    nb0 = nb * (bn * n_inner)  # this program's first column; column block j starts at nb0 + j bn
     n_k = pl.cdiv(k, bk)
     k_ragged = k % bk != 0
-    edge = bool(n % bn) or k_ragged  # weight loads need masks
+    n_ragged = n % (bn * n_inner) != 0
+    edge = n_ragged or k_ragged  # weight loads need masks
 
-    def store(bm, val):
+    def col_ok(n0):
+        return n0 + jnp.arange(bn, dtype=jnp.int32) < n
+
+    def store(bm, val, n0):
         rows = r0 + jnp.arange(bm, dtype=jnp.int32)
         mask = (rows < r1)[:, None]
-        if n % bn:
-            mask = mask & col_ok[None, :]
+        if n_ragged:
+            mask = mask & col_ok(n0)[None, :]
         plgpu.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], val.astype(o_ref.dtype), mask=mask)
 
     # "split_asm_t": the transposed product w [bn, kk] . x [bm, kk]^T -> [bn, bm] (weights as the
@@ -536,6 +572,9 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
     def compute(bm):
         rows = r0 + jnp.arange(bm, dtype=jnp.int32)
         row_ok = rows < r1
+        # dense short tiles as w^T . x^T (transpose_small); the MXFP4 "split_asm_t" always
+        tr_dense = not quant and cfg.transpose_small and bm < cfg.block_m
+        tr = transposed or tr_dense
 
         def load_x(c0, width, part=None):
             """x columns [c0, c0 + width); part 0/1: of x's even/odd columns (c0 in half units)."""
@@ -556,61 +595,97 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
                 mask = mask & (kcol < limit)[None, :]
             return plgpu.load(ref, mask=mask, other=0).astype(cdt)
 
-        def wmask(c0, width, limit):
-            if not edge:
-                return None
-            return col_ok[:, None] & (c0 + jnp.arange(width, dtype=jnp.int32) < limit)[None, :]
+        def fetch(kb, n0):
+            """K block kb's tiles: x (or its even / odd halves) and per weight its tile / packed
+            bytes and scales (columns [n0, n0 + bn))."""
 
-        def body(kb, accs):
-            k0 = pl.multiple_of(kb * bk, bk)
-            h0 = pl.multiple_of(kb * half, half)
-            s0 = kb * ng
-            if not quant:
-                xb = load_x(k0, bk)
-                out = []
-                for w_ref, acc in zip(w_refs, accs):
-                    m_ = None
-                    if edge:
-                        m_ = (k0 + jnp.arange(bk) < k)[:, None] & col_ok[None, :]
-                    wb = _load(w_ref.at[grp, pl.ds(k0, bk), pl.ds(n0, bn)], m_).astype(cdt)
-                    out.append(acc + plgpu.dot(xb, wb, precision=precision))
-                return tuple(out)
-            if split:  # x's even/odd columns against the low/high nibbles, as loaded
-                xe, xo = load_x(h0, half, 0), load_x(h0, half, 1)
+            def wmask(c0, width, limit):
+                if not edge:
+                    return None
+                return col_ok(n0)[:, None] & (c0 + jnp.arange(width, dtype=jnp.int32)
+                                              < limit)[None, :]
+
+            if isinstance(kb, int):  # unroll_k: constants, traced so that a ragged last
+                # block's slice passes the static bounds check (its loads are masked)
+                k0, h0, s0 = (jnp.int32(kb * v) for v in (bk, half, ng))
             else:
-                xb = load_x(k0, bk)
-            out = []
-            for i, acc in enumerate(accs):
+                k0, h0 = pl.multiple_of(kb * bk, bk), pl.multiple_of(kb * half, half)
+                s0 = kb * ng
+            if not quant:
+                m_ = None
+                if edge:
+                    m_ = (k0 + jnp.arange(bk) < k)[:, None] & col_ok(n0)[None, :]
+                return (load_x(k0, bk),), [
+                    _load(w_ref.at[grp, pl.ds(k0, bk), pl.ds(n0, bn)], m_).astype(cdt)
+                    for w_ref in w_refs]
+            xs = (load_x(h0, half, 0), load_x(h0, half, 1)) if split else (load_x(k0, bk),)
+            ws = []
+            for i in range(n_w):
                 p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
                 pb = _load(p_ref.at[grp, pl.ds(n0, bn), pl.ds(h0, half)], wmask(h0, half, hk))
-                if layout == "paired" and not (use_asm and transposed):
-                    pb = paired.decode(pb, jnp)  # the interpreter: back to K3 bytes (rows 16-aligned)
                 sb = _load(s_ref.at[grp, pl.ds(n0, bn), pl.ds(s0, ng)],
                            wmask(s0, ng, k // mxfp4.GROUP))
+                ws.append((pb, sb))
+            return xs, ws
+
+        def step(tiles, accs):
+            xs, ws = tiles
+            if not quant:
+                if tr_dense:  # w [bk, bn]^T . x [bm, bk]^T -> [bn, bm]
+                    return tuple(acc + plgpu.dot(wb, xs[0], trans_a=True, trans_b=True,
+                                                 precision=precision)
+                                 for wb, acc in zip(ws, accs))
+                return tuple(acc + plgpu.dot(xs[0], wb, precision=precision)
+                             for wb, acc in zip(ws, accs))
+            out = []
+            for (pb, sb), acc in zip(ws, accs):
+                if layout == "paired" and not (use_asm and transposed):
+                    pb = paired.decode(pb, jnp)  # the interpreter: back to K3 bytes (rows 16-aligned)
                 if transposed:
                     lo, hi = _dequant_split_t(pb, sb, cdt, use_asm, layout)
-                    out.append(acc + mm(xe, lo) + mm(xo, hi))
-                elif split:
+                    out.append(acc + mm(xs[0], lo) + mm(xs[1], hi))
+                elif split:  # x's even/odd columns against the low/high nibbles, as loaded
                     lo, hi = _dequant_split(pb, sb, cdt, bits, use_asm)
-                    out.append(acc + mm(xe, lo) + mm(xo, hi))
+                    out.append(acc + mm(xs[0], lo) + mm(xs[1], hi))
                 else:
-                    out.append(acc + mm(xb, _dequant_tile(pb, sb, cdt, bits)))
+                    out.append(acc + mm(xs[0], _dequant_tile(pb, sb, cdt, bits)))
             return tuple(out)
 
-        shape = (bn, bm) if transposed else (bm, bn)
+        def finish(accs, n0):
+            if quant:
+                accs = tuple(a * _F16_SHIFT for a in accs)
+            val = epilogue(*accs)
+            store(bm, val.T if tr else val, n0)
+
+        shape = (bn, bm) if tr else (bm, bn)
         accs = tuple(jnp.zeros(shape, jnp.float32) for _ in range(n_w))
-        accs = jax.lax.fori_loop(0, n_k, body, accs)
-        if quant:
-            accs = tuple(a * _F16_SHIFT for a in accs)
-        val = epilogue(*accs)
-        store(bm, val.T if transposed else val)
+        if n_inner > 1:  # one loop over (column block j, K block kb), stored at each j's end
+            def body(i, accs):
+                j = i // n_k
+                kb = i - j * n_k
+                n0 = pl.multiple_of(nb0 + j * bn, bn)
+                accs = step(fetch(kb, n0), accs)
+                last = kb == n_k - 1
+
+                @pl.when(last)
+                def _():
+                    finish(accs, n0)
+                return tuple(jnp.where(last, jnp.zeros_like(a), a) for a in accs)
+            jax.lax.fori_loop(0, n_inner * n_k, body, accs)
+        elif cfg.unroll_k:  # every K block's loads first, so all are in flight together
+            for tiles in [fetch(kb, nb0) for kb in range(n_k)]:
+                accs = step(tiles, accs)
+            finish(accs, nb0)
+        else:
+            finish(jax.lax.fori_loop(0, n_k, lambda kb, a: step(fetch(kb, nb0), a), accs), nb0)
 
     is_zero = grp == g_count
     is_work = (grp >= 0) & (grp < g_count) & (r1 > r0)
 
     @pl.when(is_zero & (r1 > r0))
     def _():
-        store(cfg.block_m, jnp.zeros((cfg.block_m, bn), jnp.float32))
+        for j in range(n_inner):
+            store(cfg.block_m, jnp.zeros((cfg.block_m, bn), jnp.float32), nb0 + j * bn)
 
     bms = cfg.block_m_small
     if bms is not None and bms < cfg.block_m:
@@ -683,7 +758,7 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(pl.cdiv(n, cfg.block_n), n_tiles),
+        grid=(pl.cdiv(n, cfg.block_n * cfg.n_per_program), n_tiles),
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="moe_gmm",
