@@ -710,7 +710,7 @@ def ours_case(fn, args, y_ref, flop, wbytes, ceil, cfg_name, cpu, tol=1e-2):
 
 def _extra_configs(env: str):
     """[(name, GmmConfig field overrides)] from "name:block_n=64,...;..." in the environment."""
-    bools = {"unroll_k", "transpose_small"}
+    bools = {"transpose_small"}
     return [(item.partition(":")[0], parse_overrides(item.partition(":")[2], bools))
             for item in filter(None, os.environ.get(env, "").split(";"))]
 

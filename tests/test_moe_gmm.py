@@ -66,13 +66,6 @@ CASES += [
      GmmConfig(16, 32, 64, dequant="split_asm")),
     (52, 128, 64, 4, "random", "mxfp4", jnp.float32,
      GmmConfig(32, 64, 128, block_m_small=16, dequant="interleave_bf16")),
-    # the K loop unrolled (unroll_k): ragged K (96 in blocks of 64), bf16, MXFP4, short tiles
-    (45, 96, 48, 6, "empty_and_short", "bf16", jnp.bfloat16,
-     GmmConfig(16, 32, 64, num_stages=1, unroll_k=True)),
-    (61, 96, 40, 7, "random", "mxfp4", jnp.bfloat16,
-     GmmConfig(16, 32, 64, num_stages=1, dequant="split_asm_t", unroll_k=True)),
-    (50, 128, 32, 4, "one_takes_all", "mxfp4", jnp.float32,
-     GmmConfig(32, 32, 32, block_m_small=16, num_stages=1, unroll_k=True)),
     # several column blocks per program (n_per_program): N 40 in blocks of 16, 2 or 4 a program
     # (the last blocks partly / wholly past N), ragged K, bf16 and MXFP4, zero-group tiles
     (45, 96, 40, 6, "empty_and_short", "bf16", jnp.bfloat16, GmmConfig(16, 16, 64, n_per_program=2)),
@@ -93,8 +86,6 @@ def _case_id(c):
     tail = "" if cfg is None else f"-{cfg.dequant}"
     if cfg is not None and cfg.x_split != "pre":
         tail += f"-x{cfg.x_split}"
-    if cfg is not None and cfg.unroll_k:
-        tail += "-unrolled"
     if cfg is not None and cfg.n_per_program > 1:
         tail += f"-np{cfg.n_per_program}"
     if cfg is not None and cfg.transpose_small:
@@ -123,17 +114,20 @@ def test_moe_gmm_matches_reference(case):
     assert _rel(y, rd) < tol
 
 
-@pytest.mark.parametrize("activation,wtype,dequant", [("swiglu", "bf16", "interleave"),
-                                                     ("situ", "mxfp4", "interleave"),
-                                                     ("situ", "mxfp4", "split_asm_sub"),
-                                                     ("situ", "mxfp4", "split_asm_t")])
-def test_moe_gmm_glu_matches_reference(activation, wtype, dequant):
-    m, k, n, g = 53, 64, 32, 6
+@pytest.mark.parametrize("activation,wtype,dequant,n_per", [
+    ("swiglu", "bf16", "interleave", 1), ("situ", "mxfp4", "interleave", 1),
+    ("situ", "mxfp4", "split_asm_sub", 1), ("situ", "mxfp4", "split_asm_t", 1),
+    ("situ", "mxfp4", "split_asm_t", 2), ("swiglu", "bf16", "interleave", 2)])
+def test_moe_gmm_glu_matches_reference(activation, wtype, dequant, n_per):
+    """Fused gate/up (two accumulators a program) == the reference; n_per 2: both stored at the
+    end of each column block of the flattened loop (N 48 in blocks of 16: one program ragged)."""
+    m, k, n, g = 53, 64, 32 if n_per == 1 else 48, 6
     rng = np.random.default_rng(7)
     gs = jnp.asarray(_groups(rng, m, g, "empty_and_short"))
     x = jnp.asarray(rng.standard_normal((m, k)) * 2, jnp.bfloat16)
     w1, w3 = _weights(rng, g, k, n, wtype), _weights(rng, g, k, n, wtype)
-    cfg = GmmConfig(32, 32, 64, block_m_small=16, dequant=dequant)
+    cfg = GmmConfig(32, 32 if n_per == 1 else 16, 64, block_m_small=16, dequant=dequant,
+                    n_per_program=n_per)
     y = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="interpret", config=cfg,
                     fuse=True)
     ref = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="reference")
@@ -448,9 +442,10 @@ def test_config_validation():
         GmmConfig(dequant="nibble")
     with pytest.raises(ValueError):
         GmmConfig(x_split="gather")
-    with pytest.raises(ValueError, match="num_stages=1"):
-        GmmConfig(unroll_k=True)  # unrolled: there is no pipeline to give stages to
-    assert GmmConfig(16, 128, 128, num_stages=1, unroll_k=True).name().endswith("_s1_unrolled")
+    with pytest.raises(ValueError, match="n_per_program"):
+        GmmConfig(n_per_program=0)
+    assert GmmConfig(16, 128, 128, n_per_program=4, transpose_small=True).name() == \
+        "bm16/None_bn128_bk128_w4_s3_np4_tsmall"
     assert dequant_variant("split_asm_sub") == (True, "asm_sub")
     assert dequant_variant("split_asm_t") == (True, "asm_t")
     assert dequant_variant("interleave") == (False, "f16")
@@ -540,6 +535,10 @@ def test_moe_gmm_errors():
     w = jnp.zeros((2, 32, 16), jnp.bfloat16)
     with pytest.raises(ValueError):
         moe_gmm(x, w, jnp.array([2, 2], jnp.int32), backend="interpret")
+    wq = MXFP4Weight(jnp.zeros((2, 16, 32), jnp.uint8), jnp.zeros((2, 16, 2), jnp.uint8))
+    with pytest.raises(ValueError, match="transpose_small applies to dense weights"):
+        moe_gmm(x, wq, jnp.array([2, 2], jnp.int32), backend="interpret",
+                config=GmmConfig(16, 16, 64, transpose_small=True))
 
 
 # ---- the paired MXFP4 layout (kernels_pallas/moe/paired.py) ----
@@ -588,10 +587,10 @@ def test_paired_ptx_emulated_gives_the_sub_bits_of_the_original_bytes():
     assert len({tuple(int(regs[k][i]) for k in regs) for i in range(u.size)}) == u.size
 
 
-@pytest.mark.parametrize("dequant,k,unroll", [
-    ("split", 128, False), ("split_asm_t", 128, False), ("interleave", 128, False),
-    ("split_asm_t", 96, False), ("split", 96, False), ("split_asm_t", 96, True)])
-def test_paired_weights_through_the_kernel(dequant, k, unroll):
+@pytest.mark.parametrize("dequant,k,n_per", [
+    ("split", 128, 1), ("split_asm_t", 128, 1), ("interleave", 128, 1), ("split_asm_t", 96, 1),
+    ("split", 96, 1), ("split_asm_t", 96, 2)])
+def test_paired_weights_through_the_kernel(dequant, k, n_per):
     """Paired MXFP4 weights in the kernel (interpret: decoded to K3 bytes per tile) == the
     reference on the K3 weights, with an empty expert, rows past the sum and (K 96, blocks of
     64) a ragged last K block."""
@@ -606,7 +605,8 @@ def test_paired_weights_through_the_kernel(dequant, k, unroll):
     x = jnp.asarray(rng.normal(size=(21, k)), jnp.bfloat16)
     gs = jnp.array([7, 0, 11], jnp.int32)
     ref = moe_gmm(x, w, gs, backend="reference", preferred_element_type=jnp.float32)
-    cfg = GmmConfig(16, 32, 64, dequant=dequant, num_stages=1 if unroll else 3, unroll_k=unroll)
+    cfg = GmmConfig(16, 16, 64, dequant=dequant, n_per_program=n_per) if n_per > 1 else \
+        GmmConfig(16, 32, 64, dequant=dequant)
     y = moe_gmm(x, wp, gs, backend="interpret", config=cfg, preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-3, atol=2e-3)
     np.testing.assert_array_equal(np.asarray(y[18:]), 0)

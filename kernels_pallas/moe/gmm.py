@@ -143,11 +143,6 @@ class GmmConfig:
     num_stages: int = 3
     dequant: str = "interleave"  # MXFP4 only: one of DEQUANT_VARIANTS ("split_asm*": CUDA only)
     x_split: str = "pre"  # split variants: x's even/odd columns gathered "pre" kernel or "stride"
-    # K loop unrolled in Python (no scf.for, so no software pipeline and no shared-memory rings:
-    # every K block's loads are plain loads the compiler schedules up front). For short K, as a
-    # TP8 rank's down projection (K 384: 3 blocks of 128), where the pipelined "split_asm_t"
-    # with 128-wide K blocks raced on the H200 (results_moe.md run 8).
-    unroll_k: bool = False
     # Column blocks per program, walked in one flattened (column block, K block) loop that the
     # software pipeline streams through without a break; each block's result is stored when its
     # last K block is done. For short K (a TP8 rank's down projection: 3 K blocks of 128), where
@@ -164,16 +159,11 @@ class GmmConfig:
             raise ValueError(f"x_split={self.x_split!r} is not one of {X_SPLITS}")
         if self.n_per_program < 1:
             raise ValueError(f"n_per_program must be >= 1, got {self.n_per_program}")
-        if self.unroll_k and self.n_per_program > 1:
-            raise ValueError("unroll_k=True takes one column block per program (n_per_program=1)")
-        if self.unroll_k and self.num_stages != 1:
-            raise ValueError(f"unroll_k=True has no software pipeline: give num_stages=1 "
-                             f"(got {self.num_stages})")
 
     def name(self) -> str:
         """Short label: bm/small, bn, bk, warps, stages (+ MXFP4 dequant options when not default)."""
         s = (f"bm{self.block_m}/{self.block_m_small}_bn{self.block_n}_bk{self.block_k}"
-             f"_w{self.num_warps}_s{self.num_stages}" + ("_unrolled" if self.unroll_k else "")
+             f"_w{self.num_warps}_s{self.num_stages}"
              + (f"_np{self.n_per_program}" if self.n_per_program > 1 else "")
              + ("_tsmall" if self.transpose_small else ""))
         if self.dequant != "interleave":
@@ -572,7 +562,8 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
     def compute(bm):
         rows = r0 + jnp.arange(bm, dtype=jnp.int32)
         row_ok = rows < r1
-        # dense short tiles as w^T . x^T (transpose_small); the MXFP4 "split_asm_t" always
+        # the product transposed, w^T . x^T -> [bn, bm]: always in MXFP4 "split_asm_t", and for
+        # dense weights on the short tiles when transpose_small
         tr_dense = not quant and cfg.transpose_small and bm < cfg.block_m
         tr = transposed or tr_dense
 
@@ -605,12 +596,8 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
                 return col_ok(n0)[:, None] & (c0 + jnp.arange(width, dtype=jnp.int32)
                                               < limit)[None, :]
 
-            if isinstance(kb, int):  # unroll_k: constants, traced so that a ragged last
-                # block's slice passes the static bounds check (its loads are masked)
-                k0, h0, s0 = (jnp.int32(kb * v) for v in (bk, half, ng))
-            else:
-                k0, h0 = pl.multiple_of(kb * bk, bk), pl.multiple_of(kb * half, half)
-                s0 = kb * ng
+            k0, h0 = pl.multiple_of(kb * bk, bk), pl.multiple_of(kb * half, half)
+            s0 = kb * ng
             if not quant:
                 m_ = None
                 if edge:
@@ -672,10 +659,6 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
                     finish(accs, n0)
                 return tuple(jnp.where(last, jnp.zeros_like(a), a) for a in accs)
             jax.lax.fori_loop(0, n_inner * n_k, body, accs)
-        elif cfg.unroll_k:  # every K block's loads first, so all are in flight together
-            for tiles in [fetch(kb, nb0) for kb in range(n_k)]:
-                accs = step(tiles, accs)
-            finish(accs, nb0)
         else:
             finish(jax.lax.fori_loop(0, n_k, lambda kb, a: step(fetch(kb, nb0), a), accs), nb0)
 
@@ -737,6 +720,9 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
                                    layout=layout)
     if layout == "paired":
         _check_paired(cfg, interpret)
+    if quant and cfg.transpose_small:
+        raise ValueError("transpose_small applies to dense weights; MXFP4 weights take the "
+                         "transposed product through dequant='split_asm_t'")
     if quant and (cfg.block_k % mxfp4.GROUP or k % mxfp4.GROUP):
         raise ValueError(f"MXFP4 needs block_k and K multiples of {mxfp4.GROUP}")
     x_in = x
