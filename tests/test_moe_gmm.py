@@ -558,8 +558,25 @@ def test_paired_codec_round_trip_and_zero():
     np.testing.assert_array_equal(paired.encode(np.zeros_like(p)), 0)  # masked loads stay zero
     with pytest.raises(ValueError, match="multiple of 16|groups of 16"):
         paired.encode(np.zeros((24, 8), np.uint8))
-    with pytest.raises(ValueError, match="even number"):
-        paired.encode(np.zeros((16, 7), np.uint8))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        paired.encode(np.zeros((16, 6), np.uint8))
+
+
+def test_paired_units_are_stored_as_aligned_words():
+    """Each unit (bytes c, c + 1 of rows r and r + 8) is one aligned little-endian 32-bit word of
+    the stored bytes, so the kernel's loaded word is its asm operand; `units_in_place` (the
+    kernel's relabeling of a loaded tile) puts every unit's bytes back at its K3 positions."""
+    from kernels_pallas.moe import paired
+    rng = np.random.default_rng(5)
+    p = rng.integers(0, 256, (2, 32, 24), dtype=np.uint8)
+    q = paired.encode(p)
+    units = paired.stored_units(q)  # [2, 2, 8, 12]: group, row j, column pair
+    words = q.view("<u4").reshape(2, 2, 2, 8, 6)  # expert, group, F, row j, word
+    np.testing.assert_array_equal(
+        words, units.reshape(2, 2, 8, 6, 2).transpose(0, 1, 4, 2, 3))
+    tile = jnp.asarray(q[0, 16:32, 8:16])  # a tile: one 16-row group, 8 packed columns
+    np.testing.assert_array_equal(paired._to_units(np.asarray(paired.units_in_place(tile)), np)[0],
+                                  units[0, 1][:, 4:8])
 
 
 def test_paired_ptx_emulated_gives_the_sub_bits_of_the_original_bytes():
@@ -571,7 +588,7 @@ def test_paired_ptx_emulated_gives_the_sub_bits_of_the_original_bytes():
     every = (np.arange(16)[:, None] * 37 + np.arange(512)[None, :]) % 256  # every byte, each slot
     p = np.concatenate([every, rng.integers(0, 256, (16, 512))]).astype(np.uint8)
     q = paired.encode(p)
-    units = paired._to_units(q, np)
+    units = paired.stored_units(q)
     orig = paired._to_units(p, np)
     for half in ("lo", "hi"):
         r0, r1 = _emulate_ptx(paired.ptx(half), [units.reshape(-1)], 2)

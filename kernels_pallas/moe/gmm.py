@@ -62,7 +62,8 @@ The paired layout (`MXFP4PairedWeight`, `paired.py`): the packed bytes re-encode
   that "split_asm_t"'s nibble PTX is 8 integer instructions per 8 weights instead of 14 (offline
   1184 -> 992 SASS instructions in the TP8 kernel; on the H200 7-9% faster, bit-exact). Its decode
   depends on Triton packing bytes c, c + 1 of rows r and r + 8 into one asm operand, which the
-  device's one-hot check confirms. On a GPU only "split_asm_t" decodes it; the interpreter decodes
+  device's one-hot check confirms. Each such operand is stored as one 32-bit word (rows r, r + 8
+  interleaved), so the loaded word is the operand: 992 -> 960 instructions (the pairing prmt gone). On a GPU only "split_asm_t" decodes it; the interpreter decodes
   it back to K3 bytes per tile and runs any variant.
 K blocks of 128 in "split_asm_t" gave different outputs from call to call on the H200 in some
   configs of both layouts (results_moe.md runs 8-9; not root-caused) in the plain K loop:
@@ -499,6 +500,8 @@ def _dequant_split_t(pb, sb, dtype, use_asm: bool = False, layout: str = "k3"):
     2^-125) times 2^(s-16): the same products (the CPU flushes the subnormal 0.5 of the former)."""
     w = pb.shape[-1]
     s = w // 16
+    if use_asm and layout == "paired":
+        pb = paired.units_in_place(pb)  # stored words -> unit bytes where the asm operand packs them
     pt = _perm_t(pb, s)
     if use_asm:
         (lo, hi), enc = _nibble_asm_t(pt, layout), "bf16_sub"

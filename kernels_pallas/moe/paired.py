@@ -19,6 +19,15 @@ r + 8's (r % 16 < 8, c even). Every unit is re-encoded the same way, so the layo
 of block sizes; it needs the row count (N) to be a multiple of 16, and any slice of rows (TP shards,
 owned rows) must start at a multiple of 16. Zero bytes encode to zero bytes (linear), so masked
 loads still read zero weights.
+
+Stored order: each unit is stored as the 4 contiguous bytes of one 32-bit word, so that the word
+the kernel loads is the asm operand (without it, Triton builds every operand from two loaded words
+with a prmt: 32 of the 621 SASS instructions a warp a K block of 256 in the TP8 gate+up kernel,
+offline). Within a 16-row group and a 4-byte column group, stored row 8 F + j, bytes 2 h + e hold
+the unit of rows j, j + 8 and columns 2 F, 2 F + 1, i.e. the byte of row 8 h + j, column 2 F + e:
+the row-half bit and column bit 1 trade places. The kernel undoes it with a reshape and a transpose
+of the loaded tile (`units_in_place`), which Triton absorbs into its shared-memory load (no
+instruction, offline SASS). Needs the packed columns (K / 2) to be a multiple of 4.
 """
 from __future__ import annotations
 
@@ -130,13 +139,31 @@ def _apply(tables, units, xp):
 
 def _check(shape):
     *_, n, c = shape
-    if n % ROWS or c % 2:
+    if n % ROWS or c % 4:
         raise ValueError(f"the paired MXFP4 layout needs rows (N = {n}) in whole groups of {ROWS} "
-                         f"and an even number of packed columns (got {c}); keep the K3 layout "
+                         f"and packed columns (K / 2 = {c}) a multiple of 4; keep the K3 layout "
                          f"(layout='k3') for this weight")
 
 
+def _swap(v, xp):
+    """[..., N, C] bytes: the row-half bit (row r vs r + 8 of each 16-row group) and bit 1 of the
+    column trade places (its own inverse): between the stored order and units in K3 positions."""
+    *lead, n, c = v.shape
+    v = v.reshape(*lead, n // ROWS, 2, ROWS // 2, c // 4, 2, 2)
+    k = len(lead)
+    return xp.transpose(v, (*range(k), k, k + 4, k + 2, k + 3, k + 1, k + 5)).reshape(*lead, n, c)
+
+
+def units_in_place(tile):
+    """A loaded tile of stored bytes [bn, w] (bn a multiple of 16, w of 4) -> the same bytes with
+    each unit's four bytes at their K3 positions (rows r, r + 8, columns c, c + 1), where the
+    kernel's register layout packs them into one asm operand. In a kernel, a relabeling."""
+    import jax.numpy as jnp
+    return _swap(tile, jnp)
+
+
 def _to_units(packed, xp):
+    """K3-position bytes [..., N, C] -> units [..., N / 16, 8, C / 2]."""
     *lead, n, c = packed.shape
     b = packed.astype(xp.uint32).reshape(*lead, n // ROWS, 2, ROWS // 2, c // 2, 2)
     return (b[..., 0, :, :, 0] | (b[..., 0, :, :, 1] << 8) | (b[..., 1, :, :, 0] << 16)
@@ -150,18 +177,24 @@ def _from_units(u, shape, xp):
     return xp.stack([row_r, row_r8], axis=-4).reshape(shape)
 
 
+def stored_units(paired, xp=np):
+    """The paired layout's stored bytes -> its units [..., N / 16, 8, C / 2] (uint32)."""
+    _check(paired.shape)
+    return _to_units(_swap(xp.asarray(paired), xp), xp)
+
+
 def encode(packed, xp=np):
     """K3 packed bytes [..., N, K/2] -> the paired layout (same shape and dtype). Load time."""
     _check(packed.shape)
-    return _from_units(_apply(_encode_tables(), _to_units(xp.asarray(packed), xp), xp), packed.shape, xp)
+    units = _apply(_encode_tables(), _to_units(xp.asarray(packed), xp), xp)
+    return _swap(_from_units(units, packed.shape, xp), xp)
 
 
 def decode(paired, xp=np):
     """The paired layout -> K3 packed bytes (the reference, the interpreter, exports): the PTX's
     registers (`decode_registers`, shifts and masks only, so it also runs inside a kernel), their
     nibbles put back in bytes."""
-    _check(paired.shape)
-    regs = decode_registers(_to_units(xp.asarray(paired), xp), xp)
+    regs = decode_registers(stored_units(paired, xp), xp)
     o = xp.zeros(regs[DECODE[0][:2]].shape, xp.uint32)
     for half, slot, _, _ in DECODE:
         r = regs[(half, slot)]
