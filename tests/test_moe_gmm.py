@@ -160,6 +160,23 @@ def test_tile_metadata_covers_rows_once():
         assert np.all(cover == 1)
 
 
+def test_tile_plan_kernel_equals_tile_metadata():
+    """The one-launch Pallas tile plan (interpret) == the plain-JAX tile_metadata, on random
+    groupings with empty experts, one expert taking every row, sum > M (clipped), G = 896."""
+    from kernels_pallas.moe.tiles import tile_plan
+    rng = np.random.default_rng(11)
+    cases = [(100, 7, 16), (33, 4, 32), (5, 9, 16), (1024, 896, 16), (64, 1, 16), (40, 3, 128)]
+    for m, g, bm in cases:
+        for trial in range(3):
+            gs = rng.multinomial(m + (9 if trial == 2 else 0), rng.dirichlet(np.full(g, 0.3)))
+            if trial == 1:
+                gs[:] = 0
+                gs[rng.integers(g)] = m
+            gs = jnp.asarray(gs, jnp.int32)
+            np.testing.assert_array_equal(np.asarray(tile_plan(gs, m, bm, interpret=True)),
+                                          np.asarray(moe_gmm_tile_metadata(gs, m, bm)))
+
+
 def test_mxfp4_unpack_hand_built_bytes():
     # 0x21: low nibble 1 -> 0.5 (column 0), high nibble 2 -> 1.0 (column 1); 0xF8: -0, -6
     row = np.array([0x21, 0xF8] + [0x00] * 14, np.uint8)
