@@ -38,7 +38,9 @@ layer_gmm,layer):
            BENCH_LAYER_MXFP4_EXTRA="bn64:block_n=64;..." also times the MXFP4 rows with the default
            config's fields replaced, in each of BENCH_MXFP4_LAYOUTS (benchmarks/config_strings.py
            syntax); BENCH_LAYER_BF16_EXTRA the same for the bf16 rows (bf16_NAME);
-           BENCH_LAYER_GMM_ONLY="bf16" runs only the rows whose kind starts so. Times: GPU kernel time from the profiler (benchmarks/kernel_timer.py) for
+           BENCH_LAYER_GMM_ONLY="bf16" runs only the rows whose kind starts so. Rows
+           mxfp4_paired_xsplit: the same call on x already split (split_x, outside the timed
+           call), as the MoE layer hands it (gather_rows splits its tokens before the gather). Times: GPU kernel time from the profiler (benchmarks/kernel_timer.py) for
            ours (every kernel of the call; moe_gmm's own listed too) and torch.
   layer    (opt-in) the full MoE layer, kimik3.layers.moe.moe_apply (router, sort / permute,
            gate/up (two products, SiTU after) + down grouped matmuls, weighted combine, latent down/up-projection +
@@ -101,7 +103,7 @@ import jax.numpy as jnp  # noqa: E402
 from config_strings import parse_overrides  # noqa: E402
 from kernels_pallas.moe import mxfp4  # noqa: E402
 from kernels_pallas.moe.gmm import (DEQUANT_VARIANTS, GmmConfig, default_config,  # noqa: E402
-                                    moe_gmm, moe_gmm_glu)
+                                    moe_gmm, moe_gmm_glu, needs_split_x, split_x)
 from kernels_pallas.moe.reference import MXFP4PairedWeight, MXFP4Weight, pair_mxfp4  # noqa: E402
 from kernels_pallas.moe.reference import glu as moe_glu_ref  # noqa: E402
 
@@ -811,9 +813,12 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
             ours(t, "mxfp4", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
                  (c["x"], wq, c["gs"]), base, peers.get(t))
             if "paired" in ctx["layouts"]:
+                pcfg = default_config(m, G, K, N, True, platform=plat, layout="paired")
                 ours(t, "mxfp4_paired", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
-                     (c["x"], wq_paired, c["gs"]), default_config(m, G, K, N, True, platform=plat,
-                                                                 layout="paired"), peers.get(t))
+                     (c["x"], wq_paired, c["gs"]), pcfg, peers.get(t))
+                if needs_split_x(pcfg):  # x split outside the timed call, as the layer does
+                    ours(t, "mxfp4_paired_xsplit", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
+                         (split_x(c["x"], pcfg), wq_paired, c["gs"]), pcfg, peers.get(t))
             for name, kw in MXFP4_EXTRA:  # per layout timed (k3: mxfp4_NAME, mxfp4_paired_NAME)
                 for lay, w_ in (("k3", wq), ("paired", wq_paired)):
                     if lay not in ctx["layouts"]:

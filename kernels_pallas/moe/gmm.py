@@ -458,6 +458,15 @@ def _perm_t(v, s: int):
     return v.reshape(*lead, w)
 
 
+def _perm_t_inverse(v, s: int):
+    """The inverse of `_perm_t` (logical back to physical order)."""
+    *lead, w = v.shape
+    n = len(lead)
+    v = v.reshape(*lead, w // (16 * s), s, 2, 4, 2)  # block, s, F, t, E (the logical order)
+    v = jnp.transpose(v, (*range(n), n, n + 3, n + 1, n + 2, n + 4))  # block, t, s, F, E
+    return v.reshape(*lead, w)
+
+
 def _perm_t_index(j, s: int):
     """p(L) for logical indices j (int32 array) within blocks of 16 s (`_perm_t`, as arithmetic)."""
     blk, r = j // (16 * s), j % (16 * s)
@@ -691,6 +700,86 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
             compute(cfg.block_m)
 
 
+@jax.tree_util.register_pytree_node_class
+class SplitX:
+    """x [M, K] in the layout the MXFP4 "split*" kernels read with x_split="pre": data [2, M, K'/2]
+    (x's even, then odd columns; "split_asm_t": in `_perm_t` order per K block, K' = K padded to
+    whole blocks of `block_k`). `split_x` builds it; `moe_gmm` takes it in place of x when its
+    config needs this layout (checked), so a caller can split once for several products (gate
+    and up) or before a row gather (`take`: the MoE layer splits its N tokens, not the N * top-k
+    gathered rows: at 512 tokens the split of the rows was 41 us of a TP8 rank's 0.47 ms gate+up,
+    results_moe.md run 10)."""
+
+    def __init__(self, data, k: int, block_k: int, dequant: str):
+        self.data, self.k, self.block_k, self.dequant = data, k, block_k, dequant
+
+    def tree_flatten(self):
+        return (self.data,), (self.k, self.block_k, self.dequant)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    @property
+    def shape(self):
+        return (self.data.shape[1], self.k)
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def ndim(self):
+        return 2
+
+    def take(self, rows):
+        """The split of x[rows] (a gather of rows; columns untouched)."""
+        return SplitX(jnp.take(self.data, rows, axis=1), self.k, self.block_k, self.dequant)
+
+    def dense(self):
+        """x [M, K] back (the reference backend, configs that read x as it is)."""
+        d = self.data
+        if self.dequant == "split_asm_t":
+            d = _perm_t_inverse(d, self.block_k // 32)
+        m = d.shape[1]
+        return jnp.moveaxis(d, 0, 2).reshape(m, -1)[:, : self.k]
+
+
+def needs_split_x(cfg: GmmConfig) -> bool:
+    """Whether the kernel of `cfg` (MXFP4 weights) reads x as a `SplitX`."""
+    return dequant_variant(cfg.dequant)[0] and cfg.x_split == "pre"
+
+
+def split_x(x, config: GmmConfig):
+    """x [M, K] -> `SplitX` for MXFP4 products with `config` (see `needs_split_x`)."""
+    if not needs_split_x(config):
+        raise ValueError(f"config {config.name()} reads x as it is (dequant {config.dequant!r}, "
+                         f"x_split {config.x_split!r}); split_x is for the 'split*' variants with "
+                         f"x_split='pre'")
+    m, k = x.shape
+    xp = x
+    if config.dequant == "split_asm_t" and k % config.block_k:  # whole K blocks for `_perm_t`
+        xp = jnp.pad(x, ((0, 0), (0, -k % config.block_k)))
+    d = jnp.moveaxis(xp.reshape(m, xp.shape[1] // 2, 2), 2, 0)  # [2, M, K/2]: even, odd
+    if config.dequant == "split_asm_t":
+        d = _perm_t(d, config.block_k // 32)
+    return SplitX(d, k, config.block_k, config.dequant)
+
+
+def gather_rows(x, rows, w, *, backend: str | None = None, fused_glu: bool = False):
+    """x[rows] as moe_gmm(., w) (default config; `fused_glu`: moe_gmm_glu(fuse=True)) reads it:
+    where that kernel reads a `SplitX`, x's own rows are split and then gathered, so the split
+    touches x (the MoE layer's N tokens) instead of the N * top-k gathered rows."""
+    backend = resolve_backend(backend)
+    if backend == "reference" or not is_mxfp4(w):
+        return x[rows]
+    g, k, n = w.shape
+    cfg = default_config(rows.shape[0], g, k, n, True, fused_glu,
+                         platform="interpret" if backend == "interpret" else None,
+                         x_dtype=x.dtype, layout=w.layout)
+    return split_x(x, cfg).take(rows) if needs_split_x(cfg) else x[rows]
+
+
 def _check(x, ws, group_sizes):
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got {x.shape}")
@@ -707,6 +796,17 @@ def _check(x, ws, group_sizes):
     return g, k, n
 
 
+def _resolve_config(x, ws, config, interpret):
+    """The config a moe_gmm call runs: `config`, else default_config of the shapes."""
+    if config is not None:
+        return config
+    g, k, n = ws[0].shape
+    quant = is_mxfp4(ws[0])
+    return default_config(x.shape[0], g, k, n, quant, len(ws) > 1,
+                          platform="interpret" if interpret else None, x_dtype=x.dtype,
+                          layout=ws[0].layout if quant else "k3")
+
+
 def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, precision):
     g, k, n = _check(x, ws, group_sizes)
     m = x.shape[0]
@@ -719,9 +819,7 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
     layout = ws[0].layout if quant else "k3"
     if quant and any(w.layout != layout for w in ws):  # (a jax.Array has its own .layout)
         raise ValueError("mixing MXFP4 layouts (k3 / paired) in one call is not supported")
-    cfg = config or default_config(m, g, k, n, quant, len(ws) > 1,
-                                   platform="interpret" if interpret else None, x_dtype=x.dtype,
-                                   layout=layout)
+    cfg = _resolve_config(x, ws, config, interpret)
     if layout == "paired":
         _check_paired(cfg, interpret)
     if quant and cfg.transpose_small:
@@ -729,14 +827,16 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
                          "transposed product through dequant='split_asm_t'")
     if quant and (cfg.block_k % mxfp4.GROUP or k % mxfp4.GROUP):
         raise ValueError(f"MXFP4 needs block_k and K multiples of {mxfp4.GROUP}")
-    x_in = x
-    if quant and dequant_variant(cfg.dequant)[0] and cfg.x_split == "pre":
-        xp = x
-        if cfg.dequant == "split_asm_t" and k % cfg.block_k:  # whole K blocks for `_perm_t`
-            xp = jnp.pad(x, ((0, 0), (0, -k % cfg.block_k)))
-        x_in = jnp.moveaxis(xp.reshape(m, xp.shape[1] // 2, 2), 2, 0)  # [2, M, K/2]: even, odd
-        if cfg.dequant == "split_asm_t":
-            x_in = _perm_t(x_in, cfg.block_k // 32)
+    if quant and needs_split_x(cfg):
+        if not isinstance(x, SplitX):
+            x = split_x(x, cfg)
+        elif (x.block_k, x.dequant) != (cfg.block_k, cfg.dequant):
+            raise ValueError(f"x was split for block_k={x.block_k}, dequant={x.dequant!r}; the "
+                             f"config is {cfg.name()}: split it with split_x(x, config) for the "
+                             f"config moe_gmm runs (default_config of the same shapes)")
+        x_in = x.data
+    else:
+        x_in = x.dense() if isinstance(x, SplitX) else x
     meta = tile_plan(group_sizes, m, cfg.block_m, interpret=interpret)  # one launch
     n_tiles = meta.shape[1]
     flat_w = []
@@ -778,6 +878,7 @@ def moe_gmm(x, w, group_sizes, *, backend: str | None = None, preferred_element_
     backend = resolve_backend(backend)
     out_dtype = preferred_element_type or x.dtype
     if backend == "reference":
+        x = x.dense() if isinstance(x, SplitX) else x
         return moe_gmm_reference(x, w, group_sizes, preferred_element_type=out_dtype)
     return _gmm_pallas(x, (w,), group_sizes, epilogue=lambda a: a, out_dtype=out_dtype,
                        config=config, interpret=backend == "interpret", precision=precision)
@@ -796,10 +897,15 @@ def moe_gmm_glu(x, w1, w3, group_sizes, *, activation: str = "swiglu", backend: 
     backend = resolve_backend(backend)
     out_dtype = preferred_element_type or x.dtype
     if not fuse and backend != "reference":
+        cfg = _resolve_config(x, (w1,), config, backend == "interpret")
+        if is_mxfp4(w1) and needs_split_x(cfg) and not isinstance(x, SplitX):
+            x = split_x(x, cfg)  # once for both products
         a, b = (moe_gmm(x, w, group_sizes, backend=backend, preferred_element_type=jnp.float32,
                         config=config, precision=precision) for w in (w1, w3))
         return glu(a, b, activation, situ_beta=situ_beta,
                    situ_linear_beta=situ_linear_beta).astype(out_dtype)
+    if isinstance(x, SplitX) and backend == "reference":
+        x = x.dense()
     if backend == "reference":
         return moe_gmm_glu_reference(x, w1, w3, group_sizes, activation=activation,
                                      preferred_element_type=out_dtype, situ_beta=situ_beta,
