@@ -53,4 +53,7 @@ def test_moe_kernel_at_k3_tp2_rank_shapes_uses_64bit_offsets():
 
         w = (S((E, N, K // 2), jnp.uint8), S((E, N, K // 32), jnp.uint8))
         ir = triton_ir(glu, S((128, K), jnp.bfloat16), *w, *w, S((E,), jnp.int32))
-        assert len(ir) == (1 if fuse else 2) and all("i64" in m for m in ir), fuse
+        gmm = [m for m in ir if m.startswith("module @moe_gmm {")]
+        plans = [m for m in ir if m.startswith("module @moe_gmm_tiles {")]  # gate and up share it
+        assert len(gmm) == (1 if fuse else 2) and len(plans) == 1 and len(ir) == len(gmm) + 1, fuse
+        assert all("i64" in m for m in gmm), fuse
