@@ -10,7 +10,8 @@ machine's runtime lets ncu read the hardware counters; give it --clock-control n
 
 Targets: `mla LABEL...` (MLA decode at B16 32K, 16 heads, 64-token pages; labels below),
 `moe` (MXFP4 decode: one TP8 rank's gate+up slice, 896 experts, top-16, 64 tokens, the default
-config). Each target runs 3 times (compile, then 2 profiled launches with --launch-skip 2).
+config; name it `--kernel-name regex:^moe_gmm$`: each call also launches the tile plan,
+`moe_gmm_tiles`). Each target runs 3 times (compile, then 2 profiled launches with --launch-skip 2).
 """
 from __future__ import annotations
 
