@@ -40,8 +40,8 @@ layer_gmm,layer):
            syntax); BENCH_LAYER_BF16_EXTRA the same for the bf16 rows (bf16_NAME);
            BENCH_LAYER_GMM_ONLY="bf16" runs only the rows whose kind starts so. Rows
            mxfp4_paired_xsplit: the same call on x already split (split_x, outside the timed
-           call), as the MoE layer hands it (gather_rows splits its tokens before the gather). Times: GPU kernel time from the profiler (benchmarks/kernel_timer.py) for
-           ours (every kernel of the call; moe_gmm's own listed too) and torch.
+           call), as the MoE layer hands it (gather_rows splits its tokens before the gather).
+           Times: GPU kernel time from the profiler (benchmarks/kernel_timer.py) for ours (every kernel of the call; moe_gmm's own listed too) and torch.
   layer    (opt-in) the full MoE layer, kimik3.layers.moe.moe_apply (router, sort / permute,
            gate/up (two products, SiTU after) + down grouped matmuls, weighted combine, latent down/up-projection +
            RMSNorm, 2 shared experts) at K3 dims (hidden 7168) under jax.jit at BENCH_LAYER_TOKENS
@@ -214,7 +214,8 @@ def sass_report(variants=None, log=print):
         assert name == f"mxfp4 tokens 64 {cfg.name()}", name
         if variants and cfg.dequant not in variants:
             continue
-        [ttir] = [m for m in triton_ir(fn, *args) if m.startswith("module @moe_gmm {")]  # not the tile plan
+        # the grouped matmul's module, not the tile plan's (moe_gmm_tiles)
+        [ttir] = [m for m in triton_ir(fn, *args) if m.startswith("module @moe_gmm {")]
         k = compile_ttir(ttir, "sm_90", cfg.num_warps, cfg.num_stages)
         with tempfile.TemporaryDirectory() as d:
             cubin = os.path.join(d, "k.cubin")
@@ -817,7 +818,8 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
                 ours(t, "mxfp4_paired", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
                      (c["x"], wq_paired, c["gs"]), pcfg, peers.get(t))
                 if needs_split_x(pcfg):  # x split outside the timed call, as the layer does
-                    ours(t, "mxfp4_paired_xsplit", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
+                    ours(t, "mxfp4_paired_xsplit",
+                         lambda a, b, g: moe_gmm(a, b, g, backend=backend),
                          (split_x(c["x"], pcfg), wq_paired, c["gs"]), pcfg, peers.get(t))
             for name, kw in MXFP4_EXTRA:  # per layout timed (k3: mxfp4_NAME, mxfp4_paired_NAME)
                 for lay, w_ in (("k3", wq), ("paired", wq_paired)):

@@ -694,7 +694,8 @@ def test_split_x_round_trip_take_and_kernel(dequant, k, bk):
     sx = split_x(x, cfg)
     np.testing.assert_array_equal(np.asarray(sx.dense()), np.asarray(x))
     rows = jnp.asarray(rng.integers(0, m, 24), jnp.int32)
-    np.testing.assert_array_equal(np.asarray(sx.take(rows).data), np.asarray(split_x(x[rows], cfg).data))
+    np.testing.assert_array_equal(np.asarray(sx.take(rows).data),
+                                  np.asarray(split_x(x[rows], cfg).data))
     p, sc = mxfp4.quantize(rng.standard_normal((g, n, k)))
     wq = MXFP4Weight(jnp.asarray(p), jnp.asarray(sc))
     gs = jnp.asarray([15, 0, 20], jnp.int32)

@@ -64,8 +64,9 @@ The paired layout (`MXFP4PairedWeight`, `paired.py`): the packed bytes re-encode
   1184 -> 992 SASS instructions in the TP8 kernel; on the H200 7-9% faster, bit-exact). Its decode
   depends on Triton packing bytes c, c + 1 of rows r and r + 8 into one asm operand, which the
   device's one-hot check confirms. Each such operand is stored as one 32-bit word (rows r, r + 8
-  interleaved), so the loaded word is the operand: 992 -> 960 instructions (the pairing prmt gone). On a GPU only "split_asm_t" decodes it; the interpreter decodes
-  it back to K3 bytes per tile and runs any variant.
+  interleaved), so the loaded word is the operand: 992 -> 960 instructions (the pairing prmt
+  gone). On a GPU only "split_asm_t" decodes it; the interpreter decodes it back to K3 bytes per
+  tile and runs any variant.
 K blocks of 128 in "split_asm_t" gave different outputs from call to call on the H200 in some
   configs of both layouts (results_moe.md runs 8-9; not root-caused) in the plain K loop:
   `default_config` uses 256, and 128 only in the flattened loop over several column blocks
@@ -511,7 +512,7 @@ def _dequant_split_t(pb, sb, dtype, use_asm: bool = False, layout: str = "k3"):
     w = pb.shape[-1]
     s = w // 16
     if use_asm and layout == "paired":
-        pb = paired.units_in_place(pb)  # stored words -> unit bytes where the asm operand packs them
+        pb = paired.units_in_place(pb)  # stored words -> unit bytes where the asm packs them
     pt = _perm_t(pb, s)
     if use_asm:
         (lo, hi), enc = _nibble_asm_t(pt, layout), "bf16_sub"
@@ -773,10 +774,8 @@ def gather_rows(x, rows, w, *, backend: str | None = None, fused_glu: bool = Fal
     backend = resolve_backend(backend)
     if backend == "reference" or not is_mxfp4(w):
         return x[rows]
-    g, k, n = w.shape
-    cfg = default_config(rows.shape[0], g, k, n, True, fused_glu,
-                         platform="interpret" if backend == "interpret" else None,
-                         x_dtype=x.dtype, layout=w.layout)
+    gathered = jax.ShapeDtypeStruct((rows.shape[0], x.shape[1]), x.dtype)  # what moe_gmm sees
+    cfg = _resolve_config(gathered, (w, w) if fused_glu else (w,), None, backend == "interpret")
     return split_x(x, cfg).take(rows) if needs_split_x(cfg) else x[rows]
 
 
