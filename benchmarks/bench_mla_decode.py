@@ -69,7 +69,9 @@ if os.environ.get("MLA_BENCH_SHAPES"):     # e.g. "16x131072,1x32768": only thes
     SHAPES = [tuple(int(v) for v in s.split("x"))
               for s in os.environ["MLA_BENCH_SHAPES"].split(",")]
 SKIP_CHECKS = os.environ.get("MLA_BENCH_SKIP_CHECKS") == "1"
-DTYPES = ("bf16", "fp8")
+# "fp8w": the fp8 cache in the words form (uint16 [..., 288], the same bytes; kernels_pallas.mla
+# fp8_to_words), read by the "words" upcasts
+DTYPES = ("bf16", "fp8", "fp8w")
 _OLD = dict(block_k=64, num_warps=4, num_stages=2, load="token", num_splits="fill",
             fp8_upcast="operand")
 CONFIGS = {
@@ -85,7 +87,15 @@ CONFIGS = {
         "op-f16-bk32w8s2": dict(block_k=32, num_warps=8, num_stages=2),
         "tile-f16-s1": dict(fp8_upcast="tile", num_stages=1),
     },
+    "fp8w": {
+        "default": {},
+        "int": dict(fp8_upcast="words_int"),
+        "w8": dict(num_warps=8),
+        "s4": dict(num_stages=4),
+        "bk32s4": dict(block_k=32, num_stages=4),
+    },
 }
+CACHE_WIDTH = {"bf16": 576, "fp8": 576, "fp8w": 288}
 
 
 def _parse_value(v):
@@ -153,17 +163,18 @@ sys.path.insert(0, _ROOT)
 _pkg = types.ModuleType("kernels_pallas")
 _pkg.__path__ = [os.path.join(_ROOT, "kernels_pallas")]
 sys.modules.setdefault("kernels_pallas", _pkg)
-from kernels_pallas.mla import mla_decode, mla_decode_reference  # noqa: E402
+from kernels_pallas.mla import fp8_to_words, mla_decode, mla_decode_reference  # noqa: E402
 from kernels_pallas.mla.decode import resolve_config, smem_bytes  # noqa: E402
 from kernel_timer import kernel_times  # noqa: E402
 
 BACKEND = "interpret" if DRY else "pallas"
 F8 = jnp.float8_e4m3fn
+CACHE_DTYPE = {"bf16": jnp.bfloat16, "fp8": F8, "fp8w": jnp.uint16}
 
 
 def shape_structs(B, ctx, dtype, pool_pages):
     q = jax.ShapeDtypeStruct((B, 1, HEADS, 576), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((pool_pages, PAGE, 576), jnp.bfloat16 if dtype == "bf16" else F8)
+    cache = jax.ShapeDtypeStruct((pool_pages, PAGE, CACHE_WIDTH[dtype]), CACHE_DTYPE[dtype])
     pt = jax.ShapeDtypeStruct((B, ctx // PAGE), jnp.int32)
     ln = jax.ShapeDtypeStruct((B,), jnp.int32)
     cs = None if dtype == "bf16" else jax.ShapeDtypeStruct((pool_pages, PAGE), jnp.float32)
@@ -177,8 +188,8 @@ POOL_PAGES = POOL_TOKENS // PAGE
 def full_cfg(B, ctx, dtype, cfg, heads=HEADS):
     kw = {k: v for k, v in cfg.items() if k not in ("merge", "partials")}
     # partials: mla_decode's default for the bench's bf16 output
-    return dict(resolve_config((B, 1, heads, 576), (POOL_PAGES, PAGE, 576),
-                               jnp.bfloat16 if dtype == "bf16" else F8, (B, ctx // PAGE), **kw),
+    return dict(resolve_config((B, 1, heads, 576), (POOL_PAGES, PAGE, CACHE_WIDTH[dtype]),
+                               CACHE_DTYPE[dtype], (B, ctx // PAGE), **kw),
                 merge=cfg.get("merge", "pallas"), partials=cfg.get("partials", "bfloat16"))
 
 
@@ -206,7 +217,7 @@ if LOWER:
                     n_bad += 1
                     res = f"FAIL {type(e).__name__}: {str(e)[:300]}"
                 smem = smem_bytes(fc["block_h"], fc["block_k"], fc["num_stages"],
-                                  1 if dtype == "fp8" else 2, fc["fp8_upcast"])
+                                  1 if dtype != "bf16" else 2, fc["fp8_upcast"])
                 log(f"lower {dtype} B{B} {ctx // 1024}K {name:12s} {fc} smem~{smem // 1024}KiB: "
                     f"{res}")
     log(f"lowering: {n_ok} OK, {n_bad} failed")
@@ -285,6 +296,8 @@ def correctness(B, Tq, H, lengths, dtype, scale_kind, cfg, seed, page=PAGE):
     else:
         cs = jnp.float32(0.02)
         cache = (c32 / cs).astype(F8)
+    if dtype == "fp8w":
+        cache = fp8_to_words(cache)
     q = jax.random.normal(k2, (B, Tq, H, 576), jnp.float32).astype(jnp.bfloat16)
     ln = jnp.asarray(lengths, jnp.int32)
     o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, cache_scale=cs, backend=BACKEND,
@@ -325,6 +338,12 @@ CHECKS = [   # (B, Tq, H, lengths, dtype, scale kind, cfg, page size)
     (2, 1, 128, [5000, 77], "bf16", None, dict(block_k=64, num_stages=2), PAGE),
     (2, 1, 96, [5000, 77], "bf16", None, dict(block_h=32, block_k=64, num_warps=8,
                                                 num_stages=3), PAGE),
+    (4, 1, 16, [8191, 1, 0, 3000], "fp8w", "token", {}, PAGE),
+    (2, 4, 16, [2000, 100], "fp8w", "tensor", dict(fp8_upcast="words_int"), PAGE),
+    (3, 1, 12, [5000, 129, 63], "fp8w", "token", dict(load="token"), 16),
+    (2, 1, 16, [5000, 77], "fp8w", "token", dict(num_warps=8, fp8_upcast="words_int"), PAGE),
+    (2, 4, 16, [3001, 64], "fp8w", "token", dict(num_stages=4), PAGE),
+    (2, 1, 128, [5000, 77], "fp8w", "token", {}, PAGE),
 ]
 # MLA_BENCH_CHECKS="0,3": only these checks (indices into CHECKS)
 _CHECK_IDS = os.environ.get("MLA_BENCH_CHECKS")
@@ -347,6 +366,8 @@ def pool(dtype):
                          .astype(F8))(k)
             cs = jax.random.uniform(k, (POOL_PAGES, PAGE), jnp.float32, 0.01, 0.03)
             _pool[dtype] = (p8, cs)
+            if dtype == "fp8w":
+                _pool[dtype] = (fp8_to_words(pool("fp8")[0]), pool("fp8")[1])
     return _pool[dtype]
 
 
@@ -356,8 +377,8 @@ PERM = np.random.default_rng(0).permutation(POOL_PAGES).astype(np.int32)
 def time_decode(B, ctx, dtype, name, cfg, heads=HEADS):
     pages = B * (ctx // PAGE)
     cache, cs = pool(dtype)
-    itemsize = 1 if dtype == "fp8" else 2
-    bytes_read = B * ctx * (576 * itemsize + (4 if dtype == "fp8" else 0))
+    itemsize = 1 if dtype != "bf16" else 2
+    bytes_read = B * ctx * (576 * itemsize + (4 if dtype != "bf16" else 0))
     R = max(1, min(8, POOL_PAGES // pages))                     # distinct page tables
     # decodes per timed call: ~0.5 ms of work at 3 TB/s, 2 to 4 (each is one more kernel to
     # compile); five calls are issued back to back, so the dispatch is hidden too
@@ -400,7 +421,7 @@ def fmt(r):
     c = r["cfg"]
     cs = (f"bh{c['block_h']} bk{c['block_k']} w{c['num_warps']} st{c['num_stages']} "
           f"sp{c['num_splits']} {c['load']} {c['merge']}-merge {c['partials']}"
-          + (f" {c['fp8_upcast']} {c['fp8_dot']}" if r["dtype"] == "fp8" else ""))
+          + (f" {c['fp8_upcast']} {c['fp8_dot']}" if r["dtype"] != "bf16" else ""))
     ker = (f" (kernel {r['mla_kernel_us']:.1f}, span {r['span_us']:.1f}, wall "
            f"{r['wall_us']:.1f} us)" if "mla_kernel_us" in r else "")
     return (f"{r['dtype']:>4} H{r['H']:<3d} B{r['B']:<3d} {r['ctx'] // 1024:>4d}K "

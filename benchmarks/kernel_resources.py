@@ -172,9 +172,10 @@ def kda_kernels():
 
 
 def mla_kernels():
-    """MLA decode at B16 32K, 16 heads, 64-token pages: the bf16 default and the fp8 variants
-    (upcast x dot dtype) at the fp8 default's blocks (64 keys, 8 warps, 3 stages); #1 is the
-    split merge (merge.py)."""
+    """MLA decode at B16 32K, 16 heads, 64-token pages: the bf16 default, the float8 cache's
+    variants (upcast x dot dtype) at its default blocks (64 keys, 8 warps, 3 stages) and the fp8
+    words form's two conversions at its defaults (64 keys, 4 warps, 3 stages); #1 is the split
+    merge (merge.py). The words form's kernels hold PTX: sm_90 only (--targets sm_90)."""
     from kernels_pallas.mla.decode import mla_decode, resolve_config
 
     B, ctx, pages = 16, 32768, 8192
@@ -183,11 +184,12 @@ def mla_kernels():
     out = []
     variants = [("bf16", {})] + [("fp8", dict(fp8_upcast=u, fp8_dot=d))
                                  for d in ("bf16", "fp16") for u in ("mixed", "tile", "operand")]
+    variants += [("fp8w", dict(fp8_upcast=u)) for u in ("words", "words_int")]
     for dt, kw in variants:
-        cdt = jnp.bfloat16 if dt == "bf16" else jnp.float8_e4m3fn
-        cache = SD((pages, 64, 576), cdt)
+        cdt = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "fp8w": jnp.uint16}[dt]
+        cache = SD((pages, 64, 288 if dt == "fp8w" else 576), cdt)
         cfg = resolve_config(q.shape, cache.shape, cdt, pt.shape, num_sms=132, **kw)
-        args = (q, cache, pt, ln) + ((SD((pages, 64), jnp.float32),) if dt == "fp8" else ())
+        args = (q, cache, pt, ln) + ((SD((pages, 64), jnp.float32),) if dt != "bf16" else ())
         fn = (lambda *a, kw=kw: mla_decode(*a[:4], scale=0.07, backend="pallas",
                                            cache_scale=a[4] if len(a) > 4 else None, **kw))
         name = f"mla_decode {dt} " + " ".join(f"{k}={v}" for k, v in kw.items())

@@ -6,8 +6,11 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.mla import (merge_partials, merge_stacked, mla_decode, mla_decode_reference,
-                                mla_prefill, mla_prefill_reference)
+from kernels_pallas.mla import (fp8_to_words, merge_partials, merge_stacked, mla_decode,
+                                mla_decode_reference, mla_prefill, mla_prefill_reference,
+                                words_to_fp8)
+from kernels_pallas.mla.decode import WORD_ASM, WORD_UPCASTS, _e4m3_word_halves
+from ptx_emulator import emulate_ptx  # noqa: E402  (tests/ is on sys.path under pytest)
 
 SCALE = 1.0 / np.sqrt(192.0)
 
@@ -92,8 +95,9 @@ def _check_fp8(rng, lengths, ps, maxp, per_token, Tq, H, **kw):
     q = _q(rng, len(lengths), Tq, H)
     ro, rlse = mla_decode_reference(q, cache8, pt, ln, scale=SCALE, cache_scale=cs,
                                     out_dtype=jnp.float32)
-    o, lse = mla_decode(q, cache8, pt, ln, scale=SCALE, backend="interpret", cache_scale=cs,
-                        out_dtype=jnp.float32, **kw)
+    words = kw.get("fp8_upcast") in WORD_UPCASTS
+    o, lse = mla_decode(q, fp8_to_words(cache8) if words else cache8, pt, ln, scale=SCALE,
+                        backend="interpret", cache_scale=cs, out_dtype=jnp.float32, **kw)
     _check(o, lse, ro, rlse, atol=2e-2)
     r32, _ = mla_decode_reference(q, cache32, pt, ln, scale=SCALE, out_dtype=jnp.float32)
     rel = float(jnp.linalg.norm(o - r32) / jnp.linalg.norm(r32))
@@ -149,7 +153,91 @@ def test_decode_fp8_upcasts(upcast, per_token, Tq, dot):
                per_token, Tq, 16, num_splits=1, block_k=16, fp8_upcast=upcast, fp8_dot=dot)
 
 
-def test_decode_fp8_fp16_dots_keep_large_q():
+@pytest.mark.parametrize("upcast,per_token,Tq,H,load", [
+    ("words", True, 1, 16, "page"), ("words", False, 4, 16, "page"),
+    ("words", True, 4, 12, "token"), ("words_int", True, 1, 16, "page"),
+    ("words_int", False, 4, 12, "token")])
+def test_decode_fp8_words(upcast, per_token, Tq, H, load):
+    """The fp8 cache in the words form: lengths 0 / 1 / page boundaries / ragged, 2 chunks of
+    page ids, one split and several, both conversions, both loads, 12 and 16 heads."""
+    for splits in (1, 3):
+        _check_fp8(np.random.default_rng(50 + Tq + per_token + splits), [0, 1, 16, 17, 100, 530],
+                   16, 34, per_token, Tq, H, num_splits=splits, block_k=16, load=load,
+                   fp8_upcast=upcast)
+
+
+def test_fp8_words_form():
+    """fp8_to_words / words_to_fp8 are inverse on every byte in both halves of a word; the
+    reference reads a words cache as the fp8 cache it holds."""
+    b = np.arange(256, dtype=np.uint8)
+    f8 = jnp.asarray(np.concatenate([b, b[::-1], b[:64]]).view(jnp.float8_e4m3fn)[None])
+    w = fp8_to_words(f8)
+    assert w.dtype == jnp.uint16 and w.shape == (1, 288)
+    np.testing.assert_array_equal(np.asarray(w[0, 0]), 1 << 8)        # bytes 0, 1 -> word 0
+    np.testing.assert_array_equal(np.asarray(words_to_fp8(w)).view(np.uint8),
+                                  np.asarray(f8).view(np.uint8))
+    rng = np.random.default_rng(60)
+    _, cache8, cs, pt, ln = _fp8_cache(rng, [5, 40], 16, 4, True)
+    q = _q(rng, 2, 1, 16)
+    for a, b_ in zip(mla_decode_reference(q, cache8, pt, ln, scale=SCALE, cache_scale=cs),
+                     mla_decode_reference(q, fp8_to_words(cache8), pt, ln, scale=SCALE,
+                                          cache_scale=cs)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32))
+    for bad in (jnp.zeros((2, 576), jnp.bfloat16), jnp.zeros((2, 574), jnp.float8_e4m3fn)):
+        with pytest.raises(ValueError, match="fp8_to_words"):
+            fp8_to_words(bad)
+    with pytest.raises(ValueError, match="words_to_fp8"):
+        words_to_fp8(jnp.zeros((2, 288), jnp.int16))
+
+
+def test_word_conversions_every_word():
+    """Every uint16 word: the "cvt" conversion gives the e4m3 values of its two bytes (NaN
+    included), "int" the same values times 2^-8 (NaN bytes aside), and both PTX texts (run by the
+    numpy emulator on registers of two words) give the jnp path's bits."""
+    w = np.arange(1 << 16, dtype=np.uint16)
+    want = w.view(np.uint8).view(jnp.float8_e4m3fn).astype(np.float32).reshape(-1, 2)
+    nan = np.isnan(want)
+    halves = {c: [np.asarray(h) for h in _e4m3_word_halves(jnp.asarray(w), c, ptx=False)]
+              for c in ("cvt", "int")}
+    for i in (0, 1):
+        got = halves["cvt"][i].astype(np.float32)
+        np.testing.assert_array_equal(np.isnan(got), nan[:, i])
+        np.testing.assert_array_equal(got[~nan[:, i]], want[~nan[:, i], i])
+        got = halves["int"][i].astype(np.float32) * 256.0
+        np.testing.assert_array_equal(got[~nan[:, i]], want[~nan[:, i], i])
+    regs = np.random.default_rng(61).permutation(w).astype(np.uint32)
+    regs = regs[0::2] | (regs[1::2] << np.uint32(16))               # two words a register
+    for conv in ("cvt", "int"):
+        for i, asm in enumerate(WORD_ASM[conv]):
+            [out] = emulate_ptx(asm, [regs], 1)
+            bits = halves[conv][i].view(np.uint16)
+            for k in (0, 1):        # the register's word k -> the output's half k
+                words = ((regs >> np.uint32(16 * k)) & np.uint32(0xFFFF)).astype(np.int64)
+                np.testing.assert_array_equal((out >> np.uint32(16 * k)) & np.uint32(0xFFFF),
+                                              bits[words])
+
+
+def test_decode_fp8_words_errors():
+    """A words cache runs the words upcasts and a float8 cache the others, each with a message
+    that names the fix; the words upcasts run fp16 dots."""
+    rng = np.random.default_rng(62)
+    _, cache8, cs, pt, ln = _fp8_cache(rng, [5, 40], 16, 4, True)
+    q = _q(rng, 2, 1, 16)
+    kw = dict(scale=SCALE, backend="interpret", cache_scale=cs)
+    with pytest.raises(ValueError, match="fp8_to_words"):
+        mla_decode(q, cache8, pt, ln, fp8_upcast="words", **kw)
+    with pytest.raises(ValueError, match="words form"):
+        mla_decode(q, fp8_to_words(cache8), pt, ln, fp8_upcast="operand", **kw)
+    with pytest.raises(ValueError, match="fp16"):
+        mla_decode(q, fp8_to_words(cache8), pt, ln, fp8_dot="bf16", **kw)
+    with pytest.raises(ValueError, match="cache_scale"):
+        mla_decode(q, fp8_to_words(cache8), pt, ln, scale=SCALE, backend="interpret")
+    with pytest.raises(ValueError, match="288"):
+        mla_decode(q, fp8_to_words(cache8)[..., :200], pt, ln, **kw)
+
+
+@pytest.mark.parametrize("upcast", ["operand", "words"])
+def test_decode_fp8_fp16_dots_keep_large_q(upcast):
     """fp16 dots divide each q row by its max |q|: rows far outside fp16's range (1e6) and an
     all-zero row give the reference's result, not inf / NaN."""
     rng = np.random.default_rng(40)
@@ -161,9 +249,12 @@ def test_decode_fp8_fp16_dots_keep_large_q():
     q = jnp.asarray(q).astype(jnp.bfloat16)
     ro, rlse = mla_decode_reference(q, cache8, pt, ln, scale=SCALE, cache_scale=cs,
                                     out_dtype=jnp.float32)
-    o, lse = mla_decode(q, cache8, pt, ln, scale=SCALE, backend="interpret", cache_scale=cs,
-                        out_dtype=jnp.float32, num_splits=2, block_k=16, fp8_dot="fp16")
-    _check(o, lse, ro, rlse, atol=2e-2)
+    c = fp8_to_words(cache8) if upcast == "words" else cache8
+    for block_h in (16, 64):        # q rows scaled in the kernel / before it
+        o, lse = mla_decode(q, c, pt, ln, scale=SCALE, backend="interpret", cache_scale=cs,
+                            out_dtype=jnp.float32, num_splits=2, block_k=16, fp8_dot="fp16",
+                            fp8_upcast=upcast, block_h=block_h)
+        _check(o, lse, ro, rlse, atol=2e-2)
 
 
 def test_split_policy_and_config():
@@ -171,10 +262,13 @@ def test_split_policy_and_config():
                                            resolve_config, smem_bytes)
     # "waves": B x splits programs fill whole waves of 264 slots; "fill" is the old rule, which
     # gave 17 splits at B16 (272 programs: a second wave of 8).
-    for B, cap in ((16, 32768), (64, 131072), (1, 131072), (16, 131072)):
+    for B, cap in ((16, 32768), (64, 131072), (16, 131072)):
         s = choose_num_splits(B, 1, cap, 32, rows_p=16, slots=264)
         waves = -(-B * s // 264)
         assert B * s >= 0.9 * 264 * waves, (B, cap, s)
+    # ... but at most the merge's one-load chunk of splits (a second chunk costs more)
+    from kernels_pallas.mla.merge import MERGE_CHUNK
+    assert choose_num_splits(1, 1, 131072, 32, rows_p=16, slots=264) == MERGE_CHUNK == 128
     assert choose_num_splits(16, 1, 32768, 64, rows_p=16, slots=264, policy="fill",
                              num_sms=132) == 17
     assert choose_num_splits(2, 1, 100, 64, rows_p=16, slots=264) == 2       # <= key blocks
@@ -218,6 +312,12 @@ def test_default_config_is_the_measured_winner():
                             num_sms=132)
         assert (c8["block_k"], c8["num_warps"], c8["num_stages"], c8["fp8_upcast"],
                 c8["fp8_dot"]) == (64, 8, 3, "operand", "fp16")
+        # the fp8 words form: the 2026-12-02 winner (fp8 in 0.39-0.45x the "operand" time)
+        cw = resolve_config((B, 1, 16, 576), (131072, 64, 288), jnp.uint16, (B, ctx // 64),
+                            num_sms=132, platform="cuda")
+        assert (cw["block_k"], cw["num_warps"], cw["num_stages"], cw["fp8_upcast"],
+                cw["fp8_dot"], cw["load"]) == (64, 4, 3, "words", "fp16", "page")
+        assert cw["num_splits"] == {16: 16, 64: 4, 1: 128}[B]
     c = resolve_config((16, 1, 12, 576), (100, 16, 576), jnp.bfloat16, (16, 2048), num_sms=132)
     assert (c["block_k"], c["num_warps"], c["num_stages"], c["load"]) == (64, 4, 2, "token")
     for dt, rows in ((jnp.float32, 16), (jnp.bfloat16, 32)):
@@ -232,7 +332,9 @@ def test_default_config_is_the_measured_winner():
     ("bf16", {}), ("bf16", dict(load="token")), ("bf16", dict(Tq=4, H=12)),
     ("fp8", dict(fp8_upcast="mixed")), ("fp8", dict(fp8_upcast="tile", per_token=False)),
     ("fp8", dict(fp8_upcast="operand")), ("fp8", dict(fp8_upcast="mixed", fp8_dot="fp16")),
-    ("fp8", dict(fp8_upcast="tile", fp8_dot="fp16", per_token=False))])
+    ("fp8", dict(fp8_upcast="tile", fp8_dot="fp16", per_token=False)),
+    ("fp8w", {}), ("fp8w", dict(fp8_upcast="words_int", per_token=False)),
+    ("fp8w", dict(Tq=4, H=12)), ("fp8w", dict(H=128))])
 def test_decode_lowers_for_h200(dtype, kw):
     """Each variant lowers to Triton IR for an H200 (no GPU needed), with a > 4 GiB cache."""
     from kernels_pallas.gpu_lowering import lower_for_gpu
@@ -241,7 +343,9 @@ def test_decode_lowers_for_h200(dtype, kw):
     B, ctx, pages = 16, 32768, 64 * 2048
     sd = jax.ShapeDtypeStruct
     q = sd((B, Tq, H, 576), jnp.bfloat16)
-    cache = sd((pages, 64, 576), jnp.bfloat16 if dtype == "bf16" else jnp.float8_e4m3fn)
+    cache = {"bf16": sd((pages, 64, 576), jnp.bfloat16),
+             "fp8": sd((pages, 64, 576), jnp.float8_e4m3fn),
+             "fp8w": sd((pages, 64, 288), jnp.uint16)}[dtype]
     pt, ln = sd((B, ctx // 64), jnp.int32), sd((B,), jnp.int32)
     if dtype == "bf16":
         lower_for_gpu(lambda q, c, p, l: mla_decode(q, c, p, l, scale=SCALE, backend="pallas",
@@ -347,21 +451,29 @@ def test_decode_bf16_partials(Tq):
         mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", partials="fp16")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-def test_rocm_default_fits_mi300x_and_lowers(dtype):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.uint16])
+def test_rocm_default_fits_mi300x_and_lowers(dtype, monkeypatch):
     """On ROCm the defaults are 32-key blocks, 4 warps, 1 stage (the H200's bk64 st3 needs 147 KiB
-    of LDS; MI300X has 64 KiB), and that configuration lowers for an AMD target."""
+    of LDS; MI300X has 64 KiB), and that configuration lowers for an AMD target; an fp8 cache in
+    the words form (uint16) takes "words_int" there, without PTX."""
     from kernels_pallas.gpu_lowering import lower_for_gpu
+    from kernels_pallas.mla import decode
     from kernels_pallas.mla.decode import resolve_config, smem_bytes
     B, ctx, pages = 16, 32768, 8192
-    c = resolve_config((B, 1, 16, 576), (pages, 64, 576), dtype, (B, ctx // 64),
+    width = 288 if dtype == jnp.uint16 else 576
+    c = resolve_config((B, 1, 16, 576), (pages, 64, width), dtype, (B, ctx // 64),
                        num_sms=304, platform="rocm")
     assert (c["block_k"], c["num_warps"], c["num_stages"], c["load"]) == (32, 4, 1, "page")
-    assert smem_bytes(c["block_h"], c["block_k"], c["num_stages"], jnp.dtype(dtype).itemsize,
+    assert smem_bytes(c["block_h"], c["block_k"], c["num_stages"],
+                      1 if dtype == jnp.uint16 else jnp.dtype(dtype).itemsize,
                       c["fp8_upcast"]) <= 64 * 1024
     sd = jax.ShapeDtypeStruct
     kw = {k: c[k] for k in ("block_k", "num_warps", "num_stages", "num_splits")}
-    args = (sd((B, 1, 16, 576), jnp.bfloat16), sd((pages, 64, 576), dtype),
+    if dtype == jnp.uint16:
+        assert c["fp8_upcast"] == "words_int"
+        kw["fp8_upcast"] = c["fp8_upcast"]
+        monkeypatch.setattr(decode, "kernel_platform", lambda: "rocm")   # the jnp bits, no PTX
+    args = (sd((B, 1, 16, 576), jnp.bfloat16), sd((pages, 64, width), dtype),
             sd((B, ctx // 64), jnp.int32), sd((B,), jnp.int32))
     if dtype == jnp.bfloat16:
         lower_for_gpu(lambda q, ca, p, l: mla_decode(q, ca, p, l, scale=SCALE, backend="pallas",

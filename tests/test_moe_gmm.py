@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from ptx_emulator import emulate_ptx, prmt  # noqa: E402  (tests/ is on sys.path under pytest)
 from kernels_pallas import GmmConfig, MXFP4Weight, moe_gmm, moe_gmm_glu, moe_gmm_tile_metadata
 from kernels_pallas.moe import mxfp4
 from kernels_pallas.moe.gmm import (_BF16_MAX_SCALE, DEQUANT_VARIANTS, _asm_nibble, _asm_t,
@@ -314,73 +315,6 @@ def test_split_asm_t_jnp_exact_every_byte(s):
     assert np.all(np.asarray(lo, np.float32) == 0) and np.all(np.asarray(hi, np.float32) == 0)
 
 
-def _prmt(a, b, c):
-    """PTX prmt.b32 (default mode), uint32 arrays: output byte i = byte (c >> 4i) & 7 of the 8 bytes
-    {b, a} (a: 0-3, b: 4-7); selector bit 3 set: that byte's sign bit replicated (0x00 / 0xFF)."""
-    a, b, c = (np.asarray(v, np.uint64) & 0xFFFFFFFF for v in (a, b, c))
-    src = a | (b << np.uint64(32))
-    out = np.zeros(np.broadcast(a, b, c).shape, np.uint64)
-    for i in range(4):
-        sel = (c >> np.uint64(4 * i)) & np.uint64(0xF)
-        byte = (src >> ((sel & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
-        byte = np.where(sel & np.uint64(8), np.where(byte & np.uint64(0x80), 0xFF, 0), byte)
-        out |= byte.astype(np.uint64) << np.uint64(8 * i)
-    return out.astype(np.uint32)
-
-
-def _emulate_ptx(asm, inputs, n_out):
-    """Run the integer PTX subset of our inline asm on uint32 numpy arrays ($0.. outputs, then the
-    inputs): mov, and, or, xor, shl, shr, shf.r.wrap, add.u32, mul.lo.u32, min.u16x2, prmt. Returns
-    the outputs."""
-    regs = {f"${n_out + i}": np.asarray(v, np.uint32) for i, v in enumerate(inputs)}
-
-    def val(tok):
-        tok = tok.strip()
-        if tok in regs:
-            return regs[tok]
-        return np.uint32(int(tok, 0))
-
-    def m32(v):
-        return (np.asarray(v, np.uint64) & 0xFFFFFFFF).astype(np.uint32)
-
-    for line in asm.replace("{", "").replace("}", "").split(";"):
-        line = line.strip()
-        if not line or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        d, *src = [t.strip() for t in args.split(",")]
-        x = [val(t) for t in src]
-        u = [np.asarray(v, np.uint64) for v in x]
-        if op == "mov.b32":
-            r = x[0]
-        elif op == "and.b32":
-            r = x[0] & x[1]
-        elif op == "or.b32":
-            r = x[0] | x[1]
-        elif op == "xor.b32":
-            r = x[0] ^ x[1]
-        elif op == "shf.r.wrap.b32":  # funnel shift right of (x1:x0) by x2 mod 32
-            r = m32(((u[1] << np.uint64(32)) | u[0]) >> (u[2] & np.uint64(31)))
-        elif op == "shl.b32":
-            r = m32(u[0] << u[1])
-        elif op == "shr.b32":
-            r = m32(u[0] >> u[1])
-        elif op == "add.u32":
-            r = m32(u[0] + u[1])
-        elif op == "mul.lo.u32":
-            r = m32(u[0] * u[1])
-        elif op == "min.u16x2":
-            lo = np.minimum(u[0] & 0xFFFF, u[1] & 0xFFFF)
-            hi = np.minimum(u[0] >> np.uint64(16), u[1] >> np.uint64(16))
-            r = m32(lo | (hi << np.uint64(16)))
-        elif op == "prmt.b32":
-            r = _prmt(*x)
-        else:   # the emulator knows exactly the opcodes our PTX uses; a new one must be added
-            raise ValueError(f"PTX opcode {op!r} is not emulated: add its semantics above")
-        regs[d] = np.asarray(r, np.uint32)
-    return [regs[f"${i}"] for i in range(n_out)]
-
-
 def _bf16_times(bits, factor_bits):
     """bf16 bits x bf16 bits, rounded to nearest as the GPU's bf16x2 multiply does (subnormals kept:
     exact here, every product is a power-of-two multiple of an E2M1 value) -> bf16 bits."""
@@ -405,7 +339,7 @@ def _emulate_split_asm_t_tile(pb, sc, rng):
     words = (pt[order].astype(np.uint32) << shifts).sum(1, dtype=np.uint32)
     out = {}
     for half in ("lo", "hi"):
-        r0, r1 = _emulate_ptx(_asm_t(half), [words], 2)
+        r0, r1 = emulate_ptx(_asm_t(half), [words], 2)
         halves = np.stack([r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16], 1).astype(np.uint32)
         flat = np.zeros(pt.size, np.uint32)
         flat[order.reshape(-1)] = halves.reshape(-1)
@@ -431,7 +365,7 @@ def test_split_asm_t_ptx_emulated_matches_jnp_path(s):
     # the raw PTX bits are the "split_asm_sub" encoding: sign << 15 | magnitude << 6
     b = np.arange(256, dtype=np.uint32)
     for half, nib in (("lo", b & 15), ("hi", b >> 4)):
-        r0, _ = _emulate_ptx(_asm_t(half), [b | (b << 8)], 2)
+        r0, _ = emulate_ptx(_asm_t(half), [b | (b << 8)], 2)
         want = ((nib & 8) << 12) | ((nib & 7) << 6)
         np.testing.assert_array_equal(r0 & 0xFFFF, want)
         np.testing.assert_array_equal(r0 >> 16, want)
@@ -441,11 +375,11 @@ def test_split_asm_sub_ptx_emulated():
     """The same emulator on the existing "split_asm" / "split_asm_sub" PTX (`_asm_nibble`): both
     give their documented bits for every byte (a check of the emulator as much as of the PTX)."""
     b = np.arange(256, dtype=np.uint32)
-    t = _prmt(b | (b << 8), 0, 0x1404)  # the spread their asm starts with
+    t = prmt(b | (b << 8), 0, 0x1404)  # the spread their asm starts with
     for enc in ("sub", "normal"):
         for half, nib in (("lo", b & 15), ("hi", b >> 4)):
             code = "mov.b32 c, 0x00800080;\nmov.b32 t, $1;\n" + _asm_nibble(enc, half, "$0")
-            [r] = _emulate_ptx(code, [t], 1)
+            [r] = emulate_ptx(code, [t], 1)
             mag = (nib & 7) << 6
             if enc == "normal":
                 mag = mag + np.minimum(mag, 0x80)
@@ -608,7 +542,7 @@ def test_paired_ptx_emulated_gives_the_sub_bits_of_the_original_bytes():
     units = paired.stored_units(q)
     orig = paired._to_units(p, np)
     for half in ("lo", "hi"):
-        r0, r1 = _emulate_ptx(paired.ptx(half), [units.reshape(-1)], 2)
+        r0, r1 = emulate_ptx(paired.ptx(half), [units.reshape(-1)], 2)
         for slot, r in ((0, r0), (1, r1)):
             b0 = (orig.reshape(-1) >> (16 * slot)) & 0xFF
             b1 = (orig.reshape(-1) >> (16 * slot + 8)) & 0xFF

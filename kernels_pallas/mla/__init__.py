@@ -1,10 +1,10 @@
 """MLA kernels: absorbed decode over the paged latent cache (flash-decoding, bf16/fp8 cache), the
 exact log-sum-exp merge of partial results, and a causal variable-length prefill attention; each
 beside its plain-JAX reference (reference.py)."""
-from .reference import (merge_partials, merge_stacked, mla_decode_reference,
-                        mla_prefill_reference)
+from .reference import (fp8_to_words, merge_partials, merge_stacked, mla_decode_reference,
+                        mla_prefill_reference, words_to_fp8)
 from .decode import mla_decode
 from .prefill import mla_prefill, mla_prefill_chunked
 
-__all__ = ["mla_decode", "mla_decode_reference", "merge_partials", "merge_stacked",
+__all__ = ["fp8_to_words", "words_to_fp8", "mla_decode", "mla_decode_reference", "merge_partials", "merge_stacked",
            "mla_prefill", "mla_prefill_chunked", "mla_prefill_reference"]

@@ -81,15 +81,21 @@ from jax.experimental.pallas import triton as plgpu
 
 from .softmax import online_softmax_step
 from .._backend import kernel_platform, num_sms as device_sms, resolve_backend, triton_params
-from .merge import merge_splits_pallas
-from .reference import CACHE_DIM, LATENT, ROPE, merge_stacked, mla_decode_reference
+from .merge import MERGE_CHUNK, merge_splits_pallas
+from .reference import (CACHE_DIM, LATENT, ROPE, WORDS, WORDS_DTYPE, is_words, merge_stacked,
+                        mla_decode_reference)
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 SPLIT_POLICIES = ("waves", "fill")
 LOADS = ("page", "token")
-FP8_UPCASTS = ("mixed", "tile", "operand")
+# The "words" upcasts: how the QK^T and the PV operands are converted (_e4m3_word_halves).
+# Mixed forms (one dot "cvt", the other "int", to spread the work over two pipes) were timed on
+# the H200 (results_mla.md, 2026-12-02) and lost to "words" at 5 of 6 shapes; not kept.
+WORD_CONVERSIONS = {"words": ("cvt", "cvt"), "words_int": ("int", "int")}
+WORD_UPCASTS = tuple(WORD_CONVERSIONS)
+FP8_UPCASTS = ("mixed", "tile", "operand") + WORD_UPCASTS
 FP8_DOTS = ("bf16", "fp16")
 MERGES = ("pallas", "xla")
 PARTIALS = ("float32", "bfloat16")
@@ -145,6 +151,9 @@ def choose_num_splits(batch: int, n_hblk: int, capacity: int, block_k: int, *, r
     multiple of the slots costs a whole extra wave: the rule before (below) gave 272 programs
     for 264 slots at B16 and 320 at B64.
     "fill": about 2 x SMs programs, each with >= 256 tokens (the rule before the sweep).
+    "waves" takes at most MERGE_CHUNK (128) splits: the merge reads that many in one load, and
+    a second chunk cost it more than the kernel gained (H200, 2026-12-02, fp8 words at B1 with
+    2 programs an SM: 256 splits 13.2 + 4.2 us, 128 splits 12.4 + 2.5 us).
     """
     nblk = max(1, -(-capacity // block_k))
     base = max(1, batch * n_hblk)
@@ -157,7 +166,7 @@ def choose_num_splits(batch: int, n_hblk: int, capacity: int, block_k: int, *, r
     c0 = 2.0
     step_bytes = slots * block_k * CACHE_DIM * itemsize
     best, best_t = 1, None
-    for s in range(1, min(nblk, 4 * slots) + 1):
+    for s in range(1, min(nblk, 4 * slots, MERGE_CHUNK) + 1):
         waves = -(-base * s // slots)
         steps = -(-nblk // s)
         partials = batch * s * rows_p * (LATENT + 1) * 4 * 2 / step_bytes
@@ -197,11 +206,16 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     configuration that was the default), but still slower in time than bf16 (Triton stages the
     converted tile through shared memory or registers: see the module docstring).
     """
-    itemsize = jnp.dtype(dtype).itemsize if dtype is not None else 2
+    words = dtype is not None and jnp.dtype(dtype) == WORDS_DTYPE
+    itemsize = 1 if words else (jnp.dtype(dtype).itemsize if dtype is not None else 2)
     block_h = min(max(16, _next_pow2(rows)), 64)
     n_hblk = -(-rows // block_h)
     fp8_upcast, fp8_dot = ("operand", "fp16") if itemsize == 1 else ("mixed", "bf16")
-    if block_h == 64 and itemsize == 2:         # measured (see above)
+    rocm = (platform or kernel_platform()) == "rocm"
+    if words:
+        fp8_upcast = "words_int" if rocm else "words"
+        block_k, num_warps, num_stages = (64, 4, 3) if block_h == 16 else (32, 8, 2)
+    elif block_h == 64 and itemsize == 2:         # measured (see above)
         block_k, num_warps, num_stages = 64, 8, 2
     elif block_h == 64:
         block_k, num_warps, num_stages = 32, 8, 2
@@ -212,7 +226,7 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
         block_k, num_warps, num_stages = 64, 4, (3 if paged else 2)
     else:
         block_k, num_warps, num_stages = 32, 8, 3
-    if (platform or kernel_platform()) == "rocm":
+    if rocm:
         # The H200 choices do not fit AMD: bk64 w4 st3 compiles (upstream Triton 3.6, offline)
         # to 147 KiB of LDS (MI300X has 64 KiB) and spills 382 registers on gfx942. 32-key
         # blocks, 4 warps (wave64), one stage: 32 KiB LDS, 328-337 VGPRs, no spill on gfx942 /
@@ -227,13 +241,62 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
                 num_splits=splits, load=load, fp8_upcast=fp8_upcast, fp8_dot=fp8_dot)
 
 
+# the "int" conversion gives e4m3 values * 2^-8 (folded back into the score / output multiplier)
+_CONV_SCALE = {"cvt": 1.0, "int": 256.0}
+
+
+def _cvt_asm(sel: str) -> str:
+    # prmt gathers two bytes (one from each word of the register) into the low 16 bits
+    return ("{ .reg .b32 t; .reg .b16 h;\n"
+            f"  prmt.b32 t, $1, 0, {sel};\n"
+            "  cvt.u16.u32 h, t;\n"
+            "  cvt.rn.f16x2.e4m3x2 $0, h; }")
+
+
+# (low bytes, high bytes) of a 32-bit register of two words -> f16x2, per conversion
+WORD_ASM = {
+    "cvt": (_cvt_asm("0x20"), _cvt_asm("0x31")),
+    "int": ("{ .reg .b32 y, t;\n  prmt.b32 y, $1, 0, 0x2404;\n  shr.b32 t, y, 1;\n"
+            "  and.b32 t, t, 0x3f803f80;\n  sub.u32 $0, y, t; }",
+            "{ .reg .b32 t, u;\n  shr.b32 t, $1, 1;\n  and.b32 t, t, 0x3f803f80;\n"
+            "  and.b32 u, $1, 0x80008000;\n  or.b32 $0, u, t; }"),
+}
+
+
+def _e4m3_word_halves(w, conv: str, ptx: bool):
+    """uint16 words of two e4m3 bytes -> (fp16 of each low byte, fp16 of each high byte).
+
+    Elementwise on 16-bit data, so Triton keeps the tile 16-bit through shared memory (cp.async,
+    then ldmatrix with and without .trans, as for a bf16 tile) and converts the dot operands in
+    registers. conv "cvt": the exact values; on the GPU PTX's e4m3x2 -> f16x2 conversion (sm_89+),
+    one prmt gathering the two low (high) bytes of a register's two words and one cvt per two
+    values. "int": value * 2^-8 from integer ops (sign to bit 15, the 7 exponent / mantissa
+    bits to bits 7..13: exact, subnormals included, an e4m3 NaN becomes a finite value): on
+    NVIDIA GPUs as PTX on a register's two words (prmt, shift, and, sub for the low bytes; shift,
+    and, and-or for the high), elsewhere (ROCm, the interpreter) the same bits with jnp."""
+    if ptx:
+        asms = WORD_ASM[conv]
+        return tuple(plgpu.elementwise_inline_asm(
+            asm, args=[w], constraints="=r,r", pack=2,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float16)])[0]
+            for asm in asms)
+    if conv == "cvt":
+        b = lax.bitcast_convert_type(w, jnp.uint8)                          # [..., 2]
+        f = lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.float16)
+        return f[..., 0], f[..., 1]
+    lo = ((w << 8) & 0x8000) | ((w << 7) & 0x3F80)
+    hi = (w & 0x8000) | ((w >> 1) & 0x3F80)
+    return (lax.bitcast_convert_type(lo.astype(jnp.uint16), jnp.float16),
+            lax.bitcast_convert_type(hi.astype(jnp.uint16), jnp.float16))
+
+
 def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
                    block_k: int, page_size: int, max_pages: int, num_splits: int,
-                   has_token_scale: bool, has_row_scale: bool, compute_dtype, load: str,
-                   fp8_upcast: str | None):
+                   has_token_scale: bool, row_scale: str | None, compute_dtype, load: str,
+                   fp8_upcast: str | None, word_ptx: bool = False):
     rest = list(rest)
     tscale_ref = rest.pop(0) if has_token_scale else None
-    qmul_ref = rest.pop(0) if has_row_scale else None
+    qmul_ref = rest.pop(0) if row_scale == "input" else None
     o_ref, lse_ref = rest
     s_idx = pl.program_id(1)
     b = pl.program_id(2)
@@ -250,14 +313,37 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
     n_iter = jnp.maximum(lax.div(end - start + (block_k - 1), block_k), 0)
 
     block_h = q_ref.shape[0]
-    q_lat = q_ref[:, pl.ds(0, LATENT)]
-    q_rope = q_ref[:, pl.ds(LATENT, ROPE)]
+    # fp16 dots (row_scale): fp16 holds e4m3 exactly and p in [0, 1] better than bf16, but not
+    # every bf16 q, so each q row is divided by its max |q| (in [-1, 1] then) and the score
+    # multiplied back. "kernel": done here on the program's rows; "input": q arrives divided,
+    # cast and (words) with its columns in the kernel's order, qmul beside it
+    if row_scale == "input":
+        score_mult = score_mult * qmul_ref[...][:, None]
+    elif row_scale == "kernel":
+        amax = jnp.maximum(  # two power-of-two loads (Triton's blocks), not one of 576
+            jnp.max(jnp.abs(q_ref[:, pl.ds(0, LATENT)].astype(jnp.float32)), axis=1),
+            jnp.max(jnp.abs(q_ref[:, pl.ds(LATENT, ROPE)].astype(jnp.float32)), axis=1))
+        qmul = jnp.where(amax > 0, amax, 1.0)
+        score_mult = score_mult * qmul[:, None]
+
+    def q_cols(start, size, stride=1):
+        if row_scale == "input" and stride > 1:     # already in the kernel's column order
+            start, stride = (start - start % stride) + (start % stride) * size, 1
+        v = q_ref[:, pl.ds(start, size, stride=stride) if stride > 1 else pl.ds(start, size)]
+        if row_scale == "kernel":
+            v = v.astype(jnp.float32) / qmul[:, None]
+        return v.astype(compute_dtype)
+
+    words = fp8_upcast in WORD_UPCASTS
+    lat_w, rope_w = (LATENT // 2, ROPE // 2) if words else (LATENT, ROPE)
+    if words:   # the words' low / high bytes hold the even / odd columns
+        q_lat = (q_cols(0, lat_w, 2), q_cols(1, lat_w, 2))
+        q_rope = (q_cols(LATENT, rope_w, 2), q_cols(LATENT + 1, rope_w, 2))
+    else:
+        q_lat, q_rope = q_cols(0, LATENT), q_cols(LATENT, ROPE)
     lim = length + roff_ref[...]                       # [block_h]: row r sees pos < lim[r]
     offs = jnp.arange(block_k, dtype=jnp.int32)
     zero = jnp.zeros((), cache_ref.dtype)     # typed, so an fp8 cache gets an fp8 fill value
-
-    if has_row_scale:       # fp16 dots: q rows were divided by their max |q| (fp16 range)
-        score_mult = score_mult * qmul_ref[...][:, None]
 
     def tile_upcast(x):
         # Through an opaque 1.0: Triton keeps this conversion where it is (one copy of the
@@ -274,26 +360,35 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
         pos = base + offs                               # [block_k]
         valid = pos < end
         vmask = valid[:, None]
+
+        def ld(ref, mask, fill=zero):
+            return plgpu.load(ref, mask=mask, other=fill)
+
         if load == "page":
             rows = pl.ds(lax.rem(base, page_size), block_k)
-            c = plgpu.load(cache_ref.at[page, rows, pl.ds(0, LATENT)], mask=vmask, other=zero)
-            kr = plgpu.load(cache_ref.at[page, rows, pl.ds(LATENT, ROPE)], mask=vmask,
-                            other=zero)
-            ts = (plgpu.load(tscale_ref.at[page, rows], mask=valid, other=0.0)
-                  if has_token_scale else None)
+            c = ld(cache_ref.at[page, rows, pl.ds(0, lat_w)], vmask)
+            kr = ld(cache_ref.at[page, rows, pl.ds(lat_w, rope_w)], vmask)
+            ts = ld(tscale_ref.at[page, rows], valid, 0.0) if has_token_scale else None
         else:
             slot = jnp.minimum(lax.div(pos, page_size), max_pages - 1)
             tok = pt_ref[slot] * page_size + lax.rem(pos, page_size)
-            cols_lat = jnp.arange(LATENT, dtype=jnp.int32)
-            cols_rope = LATENT + jnp.arange(ROPE, dtype=jnp.int32)
+            cols_lat = jnp.arange(lat_w, dtype=jnp.int32)
+            cols_rope = lat_w + jnp.arange(rope_w, dtype=jnp.int32)
             # Gathers with two integer indexers (the interpreter has no int-array + slice mix).
-            c = plgpu.load(cache_ref.at[tok[:, None], cols_lat[None, :]], mask=vmask,
-                           other=zero)
-            kr = plgpu.load(cache_ref.at[tok[:, None], cols_rope[None, :]], mask=vmask,
-                            other=zero)
-            ts = (plgpu.load(tscale_ref.at[tok], mask=valid, other=0.0)
-                  if has_token_scale else None)
-        if fp8_upcast is None or fp8_upcast == "operand":
+            c = ld(cache_ref.at[tok[:, None], cols_lat[None, :]], vmask)
+            kr = ld(cache_ref.at[tok[:, None], cols_rope[None, :]], vmask)
+            ts = ld(tscale_ref.at[tok], valid, 0.0) if has_token_scale else None
+        if words:
+            # each 16-bit word holds dims 2d (low byte) and 2d + 1 (high byte) of one token;
+            # both become fp16 in registers after the 16-bit tile's shared-memory load
+            qk_conv, pv_conv = WORD_CONVERSIONS[fp8_upcast]
+            k_lo, k_hi = _e4m3_word_halves(c, qk_conv, word_ptx)
+            c_lo, c_hi = _e4m3_word_halves(c, pv_conv, word_ptx)     # the PV operands
+            r_lo, r_hi = _e4m3_word_halves(kr, qk_conv, word_ptx)
+            s = (plgpu.dot(q_lat[0], k_lo, trans_b=True) + plgpu.dot(q_lat[1], k_hi, trans_b=True)
+                 + plgpu.dot(q_rope[0], r_lo, trans_b=True)
+                 + plgpu.dot(q_rope[1], r_hi, trans_b=True))
+        elif fp8_upcast is None or fp8_upcast == "operand":
             c_qk = c_pv = c.astype(compute_dtype)
             kr = kr.astype(compute_dtype)
         elif fp8_upcast == "tile":
@@ -303,20 +398,27 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
             c_qk = tile_upcast(c)
             c_pv = c.astype(compute_dtype)
             kr = tile_upcast(kr)
-        s = plgpu.dot(q_lat, c_qk, trans_b=True) + plgpu.dot(q_rope, kr, trans_b=True)
+        if not words:
+            s = plgpu.dot(q_lat, c_qk, trans_b=True) + plgpu.dot(q_rope, kr, trans_b=True)
         if has_token_scale:
             s = s * (ts[None, :] * score_mult)          # [bh, bk] f32
         else:
             s = s * score_mult
-        ok = pos[None, :] < lim[:, None]
-        s = jnp.where(ok, s, -jnp.inf)
+        s = jnp.where(pos[None, :] < lim[:, None], s, -jnp.inf)
         p, alpha, m_new, l_new = online_softmax_step(s, m_i, l_i)
         if has_token_scale:
             p = p * ts[None, :]
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(compute_dtype), c_pv)
+        pc = p.astype(compute_dtype)
+        if words:   # even and odd latent columns in two accumulators
+            acc = (acc[0] * alpha[:, None] + plgpu.dot(pc, c_lo),
+                   acc[1] * alpha[:, None] + plgpu.dot(pc, c_hi))
+        else:
+            acc = acc * alpha[:, None] + plgpu.dot(pc, c_pv)
         return acc, m_new, l_new
 
-    acc0 = jnp.zeros((block_h, LATENT), jnp.float32)
+    acc0 = jnp.zeros((block_h, lat_w), jnp.float32)
+    if words:
+        acc0 = (acc0, acc0)
     m0 = jnp.full((block_h,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((block_h,), jnp.float32)
     carry = (acc0, m0, l0)
@@ -346,6 +448,8 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
         carry = lax.fori_loop(0, n_iter, lambda i, cr: step(cr, start + i * block_k, None),
                               carry)
     acc, m_i, l_i = carry
+    if words:       # back to the latent's column order: column 2d from acc[0], 2d + 1 from acc[1]
+        acc = jnp.stack(acc, axis=-1).reshape(block_h, LATENT)
     has = l_i > 0
     l_safe = jnp.where(has, l_i, 1.0)
     o_ref[...] = (acc * (out_mult / l_safe)[:, None]).astype(o_ref.dtype)
@@ -369,19 +473,31 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
     n_hblk = -(-rows // block_h)
     rows_p = n_hblk * block_h
     is_fp8 = jnp.dtype(cache.dtype).itemsize == 1
-    row_scale = is_fp8 and fp8_dot == "fp16"
-    compute_dtype = (jnp.float16 if row_scale else jnp.bfloat16) if is_fp8 else cache.dtype
+    words = is_words(cache)
+    is_fp8 = is_fp8 or words
+    if words and fp8_dot != "fp16":
+        raise ValueError(f'fp8_upcast="{fp8_upcast}" runs fp16 dots: pass fp8_dot="fp16" '
+                         '(or None)')
+    fp16_dots = is_fp8 and fp8_dot == "fp16"
+    compute_dtype = (jnp.float16 if fp16_dots else jnp.bfloat16) if is_fp8 else cache.dtype
+    # Where q rows are scaled for fp16 dots: in the kernel at 16-row blocks (saves ~4 us of
+    # small XLA kernels a call at batch 1 on the H200), outside for larger blocks (in the kernel
+    # the 64-row fp8 "operand" kernel took 1878 instead of 1138 us at 128 heads, B16 32K)
+    row_scale = None if not fp16_dots else ("kernel" if block_h == 16 else "input")
 
     qf = q.reshape(B, rows, CACHE_DIM)
-    if row_scale:
-        # fp16 holds e4m3 exactly and p in [0, 1] better than bf16, but not every bf16 q: each
-        # row is divided by its max |q| (in [-1, 1] then) and the score multiplied back.
+    qmul = None
+    if row_scale == "input":
         q32 = qf.astype(jnp.float32)
         amax = jnp.max(jnp.abs(q32), axis=-1)
         qmul = jnp.where(amax > 0, amax, 1.0)
         qf = q32 / qmul[..., None]
         qmul = jnp.pad(qmul, ((0, 0), (0, rows_p - rows)), constant_values=1.0)
-    qf = qf.astype(compute_dtype)
+        if words:   # [lat even | lat odd | rope even | rope odd]: the words' low / high bytes
+            qf = jnp.concatenate([qf[..., 0:LATENT:2], qf[..., 1:LATENT:2],
+                                  qf[..., LATENT::2], qf[..., LATENT + 1::2]], axis=-1)
+    if row_scale != "kernel":   # the kernel scales and casts its rows itself
+        qf = qf.astype(compute_dtype)
     if rows_p != rows:
         qf = jnp.pad(qf, ((0, 0), (0, rows_p - rows), (0, 0)))
     t_of_row = jnp.arange(rows_p, dtype=jnp.int32) // Hq
@@ -400,18 +516,23 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
                 raise ValueError(f"cache_scale shape {cs.shape}: expected () / (1,) or "
                                  f"{(num_pages, page_size)}")
             token_scale = cs
+    if words:
+        qk_conv, pv_conv = WORD_CONVERSIONS[fp8_upcast]
+        score_mult = score_mult * _CONV_SCALE[qk_conv]
+        out_mult = out_mult * _CONV_SCALE[pv_conv]
     scal = jnp.stack([score_mult, out_mult, jnp.float32(1.0)]).astype(jnp.float32)
     ntok = num_pages * page_size
+    width = cache.shape[-1]
 
     grid = (n_hblk, num_splits, B)
     if load == "page":
         cache_arg = cache
-        cache_spec = pl.BlockSpec((num_pages, page_size, CACHE_DIM), lambda h, s, b: (0, 0, 0))
+        cache_spec = pl.BlockSpec((num_pages, page_size, width), lambda h, s, b: (0, 0, 0))
         ts_arg = token_scale
         ts_spec = pl.BlockSpec((num_pages, page_size), lambda h, s, b: (0, 0))
     else:
-        cache_arg = cache.reshape(ntok, CACHE_DIM)
-        cache_spec = pl.BlockSpec((ntok, CACHE_DIM), lambda h, s, b: (0, 0))
+        cache_arg = cache.reshape(ntok, width)
+        cache_spec = pl.BlockSpec((ntok, width), lambda h, s, b: (0, 0))
         ts_arg = None if token_scale is None else token_scale.reshape(ntok)
         ts_spec = pl.BlockSpec((ntok,), lambda h, s, b: (0,))
     in_specs = [
@@ -427,7 +548,7 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
     if token_scale is not None:
         in_specs.append(ts_spec)
         args.append(ts_arg)
-    if row_scale:
+    if qmul is not None:
         in_specs.append(pl.BlockSpec((None, block_h), lambda h, s, b: (b, h)))
         args.append(qmul)
     out_specs = [
@@ -439,8 +560,9 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
     kernel = functools.partial(
         _decode_kernel, block_k=block_k, page_size=page_size, max_pages=max_pages,
         num_splits=num_splits, has_token_scale=token_scale is not None,
-        has_row_scale=row_scale, compute_dtype=compute_dtype, load=load,
-        fp8_upcast=fp8_upcast if is_fp8 else None)
+        row_scale=row_scale, compute_dtype=compute_dtype, load=load,
+        fp8_upcast=fp8_upcast if is_fp8 else None,
+        word_ptx=words and not interpret and kernel_platform() != "rocm")
     o_part, lse_part = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
@@ -469,7 +591,8 @@ def resolve_config(q_shape, cache_shape, cache_dtype, page_table_shape, *, num_s
     B, Tq, Hq, _ = q_shape
     page_size = cache_shape[1]
     capacity = page_table_shape[1] * page_size
-    itemsize = jnp.dtype(cache_dtype).itemsize
+    words = jnp.dtype(cache_dtype) == WORDS_DTYPE
+    itemsize = 1 if words else jnp.dtype(cache_dtype).itemsize
     cfg = default_config(B, Tq * Hq, capacity, cache_dtype, page_size, num_sms=num_sms,
                          platform=platform)
     for k, v in dict(block_h=block_h, block_k=block_k, num_warps=num_warps,
@@ -490,6 +613,11 @@ def resolve_config(q_shape, cache_shape, cache_dtype, page_table_shape, *, num_s
     fp8_upcast = fp8_upcast or cfg["fp8_upcast"]
     if fp8_upcast not in FP8_UPCASTS:
         raise ValueError(f"fp8_upcast={fp8_upcast!r} is not one of {FP8_UPCASTS}")
+    if itemsize == 1 and words != (fp8_upcast in WORD_UPCASTS):
+        raise ValueError(
+            f"fp8_upcast={fp8_upcast!r} with a {'words' if words else 'float8'} cache: the "
+            f"upcasts {WORD_UPCASTS} read an fp8 cache in the words form (uint16 [..., {WORDS}], "
+            "kernels_pallas.mla.fp8_to_words), the others a float8_e4m3fn [..., 576] cache")
     cfg["fp8_upcast"] = fp8_upcast
     fp8_dot = fp8_dot or cfg["fp8_dot"]
     if fp8_dot not in FP8_DOTS:
@@ -541,9 +669,11 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
     backend = resolve_backend(backend)
     if q.ndim != 4 or q.shape[-1] != CACHE_DIM:
         raise ValueError(f"q must be [B, Tq, Hq, {CACHE_DIM}], got {q.shape}")
-    if cache.ndim != 3 or cache.shape[-1] != CACHE_DIM:
-        raise ValueError(f"cache must be [num_pages, page_size, {CACHE_DIM}], got {cache.shape}")
-    if jnp.dtype(cache.dtype).itemsize == 1 and cache_scale is None:
+    if cache.ndim != 3 or cache.shape[-1] != (WORDS if is_words(cache) else CACHE_DIM):
+        raise ValueError(f"cache must be [num_pages, page_size, {CACHE_DIM}] (bf16, fp32, "
+                         f"float8_e4m3fn) or fp8 words [num_pages, page_size, {WORDS}] uint16, "
+                         f"got {cache.dtype} {cache.shape}")
+    if (jnp.dtype(cache.dtype).itemsize == 1 or is_words(cache)) and cache_scale is None:
         raise ValueError("an fp8 cache needs cache_scale")
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     if partials is None:

@@ -24,6 +24,11 @@ from jax.experimental.pallas import triton as plgpu
 from .._backend import triton_params
 
 
+# Splits the merge reads in one load; each further chunk is another dependent load (H200,
+# 2026-12-02: 256 splits at B1 2.5 -> 4.2 us), so the split policy stays within one chunk.
+MERGE_CHUNK = 128
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -72,7 +77,8 @@ def _merge_kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, n_splits: int, s_pad:
 @functools.partial(jax.jit, static_argnames=("rows", "out_dtype", "interpret", "block_d",
                                              "s_chunk", "num_warps"))
 def merge_splits_pallas(o_part, lse_part, *, rows: int, out_dtype, interpret: bool = False,
-                        block_d: int = 32, s_chunk: int = 128, num_warps: int = 4):
+                        block_d: int | None = None, s_chunk: int = MERGE_CHUNK,
+                        num_warps: int = 4):
     """o_part [B, S, R, D] (fp32, or bf16: read as it is, summed in fp32) and lse_part [B, S, R]
     fp32 (natural log) -> (o [B, rows, D] in out_dtype, lse [B, rows] fp32), merging over S; only
     the first `rows` of R are merged (the rest is the decode kernel's row padding).
@@ -81,8 +87,15 @@ def merge_splits_pallas(o_part, lse_part, *, rows: int, out_dtype, interpret: bo
     a [128, 32] fp32 tile, 32 registers a thread at 4 warps): at batch 1 the merge is a few
     hundred programs of one or two dependent loads each. The first version (block_d 128,
     16-split chunks: 64 programs of 8 dependent loads at B1, 128 splits) took 7.5 us on the
-    H200, no faster than XLA's eight kernels."""
+    H200, no faster than XLA's eight kernels.
+
+    block_d None: as wide as keeps a program's tile at 4096 values (min(S, s_chunk) rounded up to
+    a power of two, times block_d; 32 registers a thread at 4 warps), between 32 and D. With
+    few splits (B16-B64 decode: 2-16) block 32 made B x rows x 16 programs of a few values each
+    (H200, 2026-12-02: 11.4 us at B64 with 2 splits, 4.6 us at B16 with 8)."""
     B, S, R, D = o_part.shape
+    if block_d is None:
+        block_d = max(32, min(D, 4096 // min(_next_pow2(S), s_chunk)))
     if D % block_d:
         raise ValueError(f"feature dim {D} is not a multiple of block_d={block_d}")
     s_pad = _next_pow2(S)

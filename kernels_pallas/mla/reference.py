@@ -17,6 +17,12 @@ fp8 cache: `cache` is float8_e4m3fn and `cache_scale` the fp32 dequantisation sc
 per tensor (shape () or (1,)) or one per token (shape [num_pages, page_size]); the value used is
 cache * cache_scale (the same scale for all 576 values of a token).
 
+fp8 words (`fp8_to_words` / `words_to_fp8`): the same fp8 cache stored as uint16
+[num_pages, page_size, 288], word d of a token holding its e4m3 values 2d (low byte) and 2d + 1
+(high byte): the bytes of the float8 array, little-endian, in a 16-bit container. The decode
+kernel's "words" upcasts read it as a 16-bit tile (decode.py); converting between the two forms
+is a copy (XLA does not bitcast across element sizes in place), so a cache lives in one of them.
+
 `merge_partials` combines results computed over disjoint parts of the history (decode context
 parallel shards, or the flash-decoding splits) exactly; an empty part has lse = -inf.
 
@@ -36,8 +42,38 @@ CACHE_DIM = LATENT + ROPE
 _HI = jax.lax.Precision.HIGHEST
 
 
+WORDS = CACHE_DIM // 2
+WORDS_DTYPE = jnp.uint16
+
+
+def is_words(cache) -> bool:
+    """Whether `cache` is an fp8 cache in the words form (uint16 [..., 288])."""
+    return jnp.dtype(cache.dtype) == WORDS_DTYPE and cache.shape[-1] == WORDS
+
+
+def fp8_to_words(cache):
+    """float8_e4m3fn [..., 576] -> the same bytes as uint16 words [..., 288] (a copy)."""
+    if jnp.dtype(cache.dtype) != jnp.float8_e4m3fn or cache.shape[-1] != CACHE_DIM:
+        raise ValueError(f"fp8_to_words takes a float8_e4m3fn [..., {CACHE_DIM}] cache, got "
+                         f"{cache.dtype} {cache.shape}")
+    b = jax.lax.bitcast_convert_type(cache, jnp.uint8).astype(WORDS_DTYPE)
+    return b[..., 0::2] | (b[..., 1::2] << 8)
+
+
+def words_to_fp8(words):
+    """uint16 words [..., 288] -> float8_e4m3fn [..., 576] (a copy)."""
+    if not is_words(words):
+        raise ValueError(f"words_to_fp8 takes uint16 [..., {WORDS}] words, got {words.dtype} "
+                         f"{words.shape}")
+    b = jnp.stack([words & 0xFF, words >> 8], axis=-1).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(b.reshape(*words.shape[:-1], CACHE_DIM),
+                                        jnp.float8_e4m3fn)
+
+
 def dequant_cache(cache, cache_scale=None):
-    """The cache's values in fp32 (cache * cache_scale)."""
+    """The cache's values in fp32 (cache * cache_scale); an fp8 words cache is read as fp8."""
+    if is_words(cache):
+        cache = words_to_fp8(cache)
     c = cache.astype(jnp.float32)
     if cache_scale is None:
         return c
@@ -53,6 +89,8 @@ def mla_decode_reference(q, cache, page_table, lengths, *, scale, cache_scale=No
                          out_dtype=None):
     """(o [B,Tq,Hq,512] in out_dtype (default q.dtype), lse [B,Tq,Hq] fp32); computed in fp32."""
     B, Tq, Hq, D = q.shape
+    if is_words(cache):
+        cache = words_to_fp8(cache)
     if D != CACHE_DIM or cache.shape[-1] != CACHE_DIM:
         raise ValueError(f"q last dim {D}, cache last dim {cache.shape[-1]}: both must be 576")
     _, page_size, _ = cache.shape
