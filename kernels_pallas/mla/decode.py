@@ -42,6 +42,23 @@ Math and shapes: see reference.py. Kernel layout:
   `fp8_dot` chooses the dtype the dots run in: "bf16", or "fp16" (the default, with
   "operand"): e4m3 -> fp16 is exact and one hardware conversion, and q rows are divided by
   their max |q| (the score multiplied back) so that no bf16 q overflows fp16.
+  All three stage 8-bit data through registers and shared memory every step (an 8-bit
+  transposed operand has no ldmatrix path): 27-30% of copy bandwidth at best, slower in time
+  than a bf16 cache of twice the bytes.
+* fp8 cache in the words form (uint16 [num_pages, page_size, 288], `fp8_to_words`; the same
+  bytes, two e4m3 values a word): the "words" upcasts. The tile is 16-bit, so Triton treats it
+  like a bf16 tile (cp.async pipelined, ldmatrix with .trans for PV and without for QK^T, no
+  staging) and the e4m3 -> fp16 conversion is an elementwise op on the dot operands in
+  registers: each word's low byte is latent column 2d, its high byte column 2d + 1, so
+  s = q_even . lo(W)^T + q_odd . hi(W)^T (+ the rope part likewise) and the PV product fills
+  two accumulators, the even and odd output columns, interleaved once at the end. "words":
+  PTX, one prmt (the two low or high bytes of a register's two words) and one
+  cvt.rn.f16x2.e4m3x2 per two values, exact; "words_int": integer ops (value * 2^-8, PTX on
+  NVIDIA, jnp elsewhere: the portable one). H200, 2026-12-02 (results_mla.md): "words" 70-78%
+  of copy at B16-B64 x 32K-128K, 2.6-2.7x faster than "operand" and 1.42x faster than bf16 in
+  time; "words_int" 6-10% slower than "words".
+* q rows for fp16 dots are scaled (and, for the words form, split into even / odd columns by
+  strided loads) inside the kernel at 16-row blocks, before it for larger blocks.
 * Each program writes its normalised partial o (`partials`: bf16 when the output is 16-bit,
   else fp32) and lse (fp32, -inf when it saw no key); the splits are merged exactly by one more
   Pallas kernel (merge.py, 2.2-3.0 us at batch 1 on the H200; `merge="xla"`: the plain-JAX
@@ -65,8 +82,11 @@ of the torch copy bandwidth, read + write, bytes counted = cache bytes read; 16 
 32K / B16 128K / B64 128K; B1 128K 78.7% and B1 32K 48.8% (a fixed ~5 us a call in this
 kernel, plus the merge's ~3 us). fp8 with the "operand" upcast and fp16 dots (the default)
 27.7% / 30.0% / 21.9% at B16 32K / B64 128K / B1 128K, 1.4x faster than the "mixed" bf16
-configuration (the default before) and still 1.8x slower than bf16 in time. See default_config
-for what was not measured.
+configuration (the default before) and still 1.8x slower than bf16 in time. 2026-12-02 (call 5
+of results_mla.md, commit de8c608): bf16 98.6% / 108.4% / 80.9% / 51.4% at B16 32K / B64 128K /
+B1 128K / B1 32K; the fp8 words form 70.3% / 77.6% / 48.2% / 27.2% (103.5 / 1499.7 / 37.7 /
+16.7 us against bf16's 146.5 / 2132.4 / 44.7 / 17.6 us). See default_config for what was not
+measured.
 """
 from __future__ import annotations
 
@@ -200,8 +220,14 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     which loads are pipelined): bf16 rows 17-32 and fp32 caches: 32-key blocks, 8 warps, 3 stages
     (64-key blocks at 3 stages would not fit an fp32 tile pair in 227 KiB); fp8 64-row blocks:
     32-key blocks, 8 warps, 2 stages.
-    fp8: 64-key blocks, 8 warps, 3 stages, "operand" upcast with fp16 dots: the fastest fp8
-    configuration of the 2026-11-30 run at every 16-head shape (GPU time; 26.7% / 29.3% / 21.4%
+    fp8 words form (uint16 cache): "words", fp16 dots, 64-key blocks, 4 warps, 3 stages at
+    16-row blocks (H200, 2026-12-02: 70.3% / 77.6% / 48.2% of copy at B16 32K / B64 128K / B1
+    128K; 8 warps 49-55%, 4 stages 59-67%, 2 stages 36-71%, 32-key blocks at 4 or 6 stages
+    38-64%, "words_int" 64-70%); 32-key blocks, 8 warps, 2 stages at 64-row blocks (compiles
+    without spilling much offline; 128 heads B16 32K 1379 us against bf16's 574: compute-bound,
+    as the float8 cache's kernel is); "words_int" on ROCm (no PTX there; not run on AMD).
+    fp8 (float8 cache): 64-key blocks, 8 warps, 3 stages, "operand" upcast with fp16 dots: the
+    fastest float8 configuration of the 2026-11-30 run at every 16-head shape (GPU time; 26.7% / 29.3% / 21.4%
     of copy bandwidth at B16 32K / B64 128K / B1 128K, 1.35-1.48x faster than the "mixed" bf16
     configuration that was the default), but still slower in time than bf16 (Triton stages the
     converted tile through shared memory or registers: see the module docstring).
