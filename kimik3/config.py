@@ -23,6 +23,7 @@ ACTIVATIONS = ("silu", "situ")
 EXPERT_FORMATS = ("dense", "mxfp4")
 MXFP4_LAYOUTS = ("k3", "paired")
 MOE_PLACEMENTS = ("auto", "tensor", "expert")
+MLA_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,11 @@ class Config:
     mla_use_nope: bool = True
     mla_use_output_gate: bool = True
     mla_norm_eps: float = 1e-6  # KimiRMSNorm default used by q_a/kv_a layernorms
+    # MLA cache storage: "auto" (the activation dtype) or "fp8": e4m3 values stored / scale, in
+    # the decode kernel's words form (two values a uint16: half of bf16's bytes, read by the
+    # kernel's fast fp8 path); mla_cache_scale is the per-tensor dequantisation scale
+    mla_cache_dtype: str = "auto"
+    mla_cache_scale: float = 1.0
     # MLP / MoE
     intermediate_size: int = 33792
     first_k_dense_replace: int = 1
@@ -119,6 +125,13 @@ class Config:
         need(self.gate_lower_bound is None or -5.0 <= self.gate_lower_bound < 0, "gate_lower_bound",
              "must be None (softplus gate) or in [-5, 0)")
         need(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", "must be None or > 0")
+        need(self.mla_cache_dtype in MLA_CACHE_DTYPES, "mla_cache_dtype",
+             f"must be one of {MLA_CACHE_DTYPES}")
+        need(isinstance(self.mla_cache_scale, (int, float)) and self.mla_cache_scale > 0,
+             "mla_cache_scale", "must be a number > 0")
+        need(self.mla_cache_dtype != "fp8" or self.mla_cache_dim % 2 == 0, "mla_cache_dtype",
+             f"'fp8' stores two values a word: kv_lora_rank + qk_rope_head_dim "
+             f"({self.mla_cache_dim}) must be even")
         need(self.mla_use_nope, "mla_use_nope",
              "rotary MLA is not supported: Kimi Linear and K3 use NoPE (mla_use_nope=true)")
         need(self.routed_expert_hidden_size is None or self.routed_expert_hidden_size > 0,

@@ -22,7 +22,8 @@ def memory_report(cfg, tensor: int = 1, dcp: int = 1, tokens: int = 0, batch: in
     dcp > 1 each device holds 1/dcp of every sequence's MLA positions and still 1/tensor of the
     heads. With expert > 1 (expert parallelism, cfg.moe_placement "auto" or "expert") each device
     holds num_experts / expert of the routed experts; everything else is as on `tensor` alone.
-    cache_dtype None keeps the model dtype (bf16); "float8_e4m3fn" is 1 byte per value.
+    cache_dtype None: the config's cache (cfg.mla_cache_dtype: "auto", the model dtype, or
+    "fp8", 1 byte a value); "float8_e4m3fn" is 1 byte per value.
     "routed_experts": the routed experts' share of "params"; "dedup_saved": the up-projection
     bytes MoE dedup frees.
     """
@@ -39,6 +40,8 @@ def memory_report(cfg, tensor: int = 1, dcp: int = 1, tokens: int = 0, batch: in
             experts += nbytes // split
         if "routed_expert_up_proj" in names and split > 1:
             dedup_saved += nbytes - nbytes // split
+    if cache_dtype is None and cfg.mla_cache_dtype == "fp8":
+        cache_dtype = "float8_e4m3fn"
     item = np.dtype(cache_dtype or cfg.dtype).itemsize
     mla = len(cfg.mla_layers) * batch * math.ceil(tokens / dcp) * cfg.mla_cache_dim * item
     heads = cfg.kda_num_heads // tensor if cfg.kda_num_heads % tensor == 0 else cfg.kda_num_heads

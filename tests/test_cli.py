@@ -32,3 +32,13 @@ def test_mxfp4_layout_flag(tiny_models, tmp_path, capsys):
     assert f"tokens: {expect}" in capsys.readouterr().out
     assert main(["generate", "--model", "tiny", "--prompt", "x", "--mxfp4-layout", "paired"]) == 2
     assert "--mxfp4-layout applies to checkpoint directories" in capsys.readouterr().err
+
+
+def test_mla_cache_flag(tiny_models, tmp_path, capsys):
+    """--mla-cache fp8 runs the model with an fp8 MLA cache: generate's tokens with that config."""
+    export_hf(tiny_models["tiny"], str(tmp_path))
+    args = ["generate", "--model", str(tmp_path), "--prompt", "Hi", "--max-new-tokens", "3"]
+    assert main(args + ["--mla-cache", "fp8"]) == 0
+    fp8 = tiny_models["tiny"].replace(cfg=tiny_models["tiny"].cfg.replace(mla_cache_dtype="fp8"))
+    expect = kimik3.generate(fp8, ["Hi"], max_new_tokens=3)[0]
+    assert f"tokens: {expect}" in capsys.readouterr().out

@@ -183,7 +183,7 @@ def test_fp8_words_form():
                      mla_decode_reference(q, fp8_to_words(cache8), pt, ln, scale=SCALE,
                                           cache_scale=cs)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32))
-    for bad in (jnp.zeros((2, 576), jnp.bfloat16), jnp.zeros((2, 574), jnp.float8_e4m3fn)):
+    for bad in (jnp.zeros((2, 576), jnp.bfloat16), jnp.zeros((2, 575), jnp.float8_e4m3fn)):
         with pytest.raises(ValueError, match="fp8_to_words"):
             fp8_to_words(bad)
     with pytest.raises(ValueError, match="words_to_fp8"):

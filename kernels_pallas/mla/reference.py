@@ -52,22 +52,35 @@ def is_words(cache) -> bool:
 
 
 def fp8_to_words(cache):
-    """float8_e4m3fn [..., 576] -> the same bytes as uint16 words [..., 288] (a copy)."""
-    if jnp.dtype(cache.dtype) != jnp.float8_e4m3fn or cache.shape[-1] != CACHE_DIM:
-        raise ValueError(f"fp8_to_words takes a float8_e4m3fn [..., {CACHE_DIM}] cache, got "
-                         f"{cache.dtype} {cache.shape}")
+    """float8_e4m3fn [..., 2n] -> the same bytes as uint16 words [..., n] (a copy); the decode
+    kernel reads n = 288 (576 values a token)."""
+    if jnp.dtype(cache.dtype) != jnp.float8_e4m3fn or cache.shape[-1] % 2:
+        raise ValueError(f"fp8_to_words takes a float8_e4m3fn [..., 2n] cache ([..., "
+                         f"{CACHE_DIM}] for the decode kernel), got {cache.dtype} {cache.shape}")
     b = jax.lax.bitcast_convert_type(cache, jnp.uint8).astype(WORDS_DTYPE)
     return b[..., 0::2] | (b[..., 1::2] << 8)
 
 
 def words_to_fp8(words):
-    """uint16 words [..., 288] -> float8_e4m3fn [..., 576] (a copy)."""
-    if not is_words(words):
-        raise ValueError(f"words_to_fp8 takes uint16 [..., {WORDS}] words, got {words.dtype} "
-                         f"{words.shape}")
+    """uint16 words [..., n] -> float8_e4m3fn [..., 2n] (a copy)."""
+    if jnp.dtype(words.dtype) != WORDS_DTYPE:
+        raise ValueError(f"words_to_fp8 takes uint16 words [..., n] ([..., {WORDS}] for the "
+                         f"decode kernel), got {words.dtype} {words.shape}")
     b = jnp.stack([words & 0xFF, words >> 8], axis=-1).astype(jnp.uint8)
-    return jax.lax.bitcast_convert_type(b.reshape(*words.shape[:-1], CACHE_DIM),
+    return jax.lax.bitcast_convert_type(b.reshape(*words.shape[:-1], 2 * words.shape[-1]),
                                         jnp.float8_e4m3fn)
+
+
+def quantize_words(x, scale: float):
+    """Values [..., 2n] -> fp8 words [..., n] holding e4m3(x / scale), saturated at +-448 (e4m3's
+    largest finite value; the cast would give NaN past it)."""
+    q = jnp.clip(x.astype(jnp.float32) / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return fp8_to_words(q)
+
+
+def dequantize_words(words, scale: float, dtype):
+    """fp8 words [..., n] -> the values [..., 2n] (e4m3 * scale) in `dtype`."""
+    return (words_to_fp8(words).astype(jnp.float32) * scale).astype(dtype)
 
 
 def dequant_cache(cache, cache_scale=None):

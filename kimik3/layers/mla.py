@@ -12,6 +12,7 @@ import flax.linen as nn
 from kernels_pallas import resolve_backend
 from kernels_pallas.mla import mla_decode
 from kernels_pallas.mla.decode import CACHE_DIM
+from kernels_pallas.mla.reference import dequantize_words, quantize_words
 from kernels_pallas.mla.prefill import QK_DIM, V_DIM, mla_prefill, mla_prefill_chunked
 
 from .common import F32, RMSNorm, Weight, dense
@@ -23,10 +24,23 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def mla_cache_shapes(cfg, batch: int, max_seq_len: int):
+    if cfg.mla_cache_dtype == "fp8":    # e4m3 words: two values a uint16
+        return {"latent": ((batch, max_seq_len, cfg.mla_cache_dim // 2), jnp.uint16)}
     return {"latent": ((batch, max_seq_len, cfg.mla_cache_dim), cfg.jnp_dtype)}
 
 
-def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=None, page_table=None):
+def cache_scale(cfg):
+    """The fp8 cache's dequantisation scale, or None for a cache in the activation dtype."""
+    return cfg.mla_cache_scale if cfg.mla_cache_dtype == "fp8" else None
+
+
+def read_cache(values, scale, dtype):
+    """Cache entries as values in `dtype`: fp8 words dequantised (scale not None) or as they are."""
+    return values if scale is None else dequantize_words(values, scale, dtype)
+
+
+def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=None, page_table=None,
+                  cache_scale=None):
     """Absorbed MLA attention with the cache's positions split over `dcp_axes` (decode context
     parallelism). Queries are gathered to every rank (replicated in_spec), each rank attends its
     own slice of every sequence's history, and the partial results merge exactly through their
@@ -38,7 +52,7 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=N
     holds positions r * P/n .. (r + 1) * P/n - 1 of every page (of every row when contiguous).
     One-token decode on a 576-wide cache with a kernel backend runs the Pallas flash-decoding
     kernel on the rank's slice (its (o, lse) merged the same way); verify (T > 1) and the reference
-    backend attend in plain JAX."""
+    backend attend in plain JAX. cache_scale: an fp8 cache in words (mla_cache_dtype "fp8")."""
     from jax import shard_map
     from jax.sharding import PartitionSpec as P
 
@@ -55,17 +69,18 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=N
     if cache.shape[1] % n:
         raise ValueError(f"decode context parallelism over {n} ranks needs the cache's positions per page "
                          f"({cache.shape[1]}) to be a multiple of {n}")
-    use_kernel = T == 1 and resolve_backend(backend) != "reference" and cache.shape[-1] == CACHE_DIM
+    width = cache.shape[-1] * (1 if cache_scale is None else 2)
+    use_kernel = T == 1 and resolve_backend(backend) != "reference" and width == CACHE_DIM
 
     def local(q_lat, q_rope, pool, table, start, n_new):
         P_loc = pool.shape[1]
         r = jax.lax.axis_index(dcp_axes)
         if paged:  # this rank's part of each of the row's pages, in position order
-            keys = pool[table].reshape(B, -1, pool.shape[-1])
+            keys = read_cache(pool[table], cache_scale, q_lat.dtype).reshape(B, -1, width)
             s = ((jnp.arange(table.shape[1]) * (P_loc * n))[:, None] + r * P_loc
                  + jnp.arange(P_loc)[None, :]).reshape(-1)
         else:
-            keys = pool
+            keys = read_cache(pool, cache_scale, q_lat.dtype)
             s = r * P_loc + jnp.arange(P_loc)
         t = jnp.arange(T)
         visible = (s[None, None, :] < (start + n_new)[:, None, None]) & (
@@ -88,7 +103,7 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=N
         part = L - full * (P_loc * n) - jax.lax.axis_index(dcp_axes) * P_loc
         lengths = (full * P_loc + jnp.clip(part, 0, P_loc)).astype(jnp.int32)
         o, lse = mla_decode(jnp.concatenate([q_lat, q_rope], -1), pool, table, lengths, scale=scale,
-                            backend=backend, out_dtype=F32)
+                            backend=backend, out_dtype=F32, cache_scale=cache_scale)
         top = jax.lax.pmax(lse, dcp_axes)                          # [B, 1, H]; -inf: no key anywhere
         w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # 0 on a rank with no key
         denom = jax.lax.psum(w, dcp_axes)
@@ -137,6 +152,7 @@ class MLA(nn.Module):
                             cfg.v_head_dim, cfg.kv_lora_rank)
         scale = (dn + dr) ** -0.5
         dt = cfg.jnp_dtype
+        cscale = cache_scale(cfg)
 
         if cfg.q_lora_rank:
             qa = dense(cfg.q_lora_rank, "q_a_proj", cfg)(x)
@@ -170,7 +186,8 @@ class MLA(nn.Module):
             pos = start[:, None] + t[None, :]
             slot = jnp.take_along_axis(table, jnp.clip(pos // P, 0, table.shape[1] - 1), axis=1)
             slot = jnp.where(t[None, :] < n_new[:, None], slot, latent.shape[0])  # padding: dropped
-            latent = latent.at[slot, pos % P].set(entries, mode="drop")
+            stored = entries if cscale is None else quantize_words(entries, cscale)
+            latent = latent.at[slot, pos % P].set(stored, mode="drop")
             if dcp_axes:  # the written cache keeps its positions over the DCP axes (no regather)
                 latent = jax.lax.with_sharding_constraint(
                     latent, jax.sharding.PartitionSpec(None, tuple(dcp_axes), None))
@@ -180,10 +197,10 @@ class MLA(nn.Module):
             if dcp_axes:
                 q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
                 o_lat = dcp_attention(q_lat.astype(dt), q_rope.astype(dt), latent, start, n_new, scale, dcp_axes,
-                                      backend=backend, page_table=page_table)
+                                      backend=backend, page_table=page_table, cache_scale=cscale)
                 o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
             elif not use_kernel:
-                keys = latent[table].reshape(B, S, R + dr)
+                keys = read_cache(latent[table], cscale, dt).reshape(B, S, R + dr)
                 s = jnp.arange(S)
                 end = start + n_new
                 visible = (s[None, None, :] < end[:, None, None]) & (
@@ -193,7 +210,7 @@ class MLA(nn.Module):
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
             o_lat = per_head_shards(
                 lambda q, latent, table, lengths: mla_decode(q, latent, table, lengths, scale=scale,
-                                                             backend=backend)[0],
+                                                             backend=backend, cache_scale=cscale)[0],
                 (jnp.concatenate([q_lat, q_rope], -1).astype(dt),),
                 (latent, table, (start + n_new).astype(jnp.int32)), H)
             o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
