@@ -172,8 +172,9 @@ def choose_num_splits(batch: int, n_hblk: int, capacity: int, block_k: int, *, r
     for 264 slots at B16 and 320 at B64.
     "fill": about 2 x SMs programs, each with >= 256 tokens (the rule before the sweep).
     "waves" takes at most MERGE_CHUNK (128) splits: the merge reads that many in one load, and
-    a second chunk cost it more than the kernel gained (H200, 2026-12-02, fp8 words at B1 with
-    2 programs an SM: 256 splits 13.2 + 4.2 us, 128 splits 12.4 + 2.5 us).
+    a second chunk cost it more than the kernel gained (H200, 2026-12-02, call 1, fp8 words at
+    B1 32K with 2 programs an SM: 256 splits, kernel 13.2 + merge 4.2 us; a 4-stage config of 1
+    program an SM in the same call, 128 splits: 12.4 + 2.5 us).
     """
     nblk = max(1, -(-capacity // block_k))
     base = max(1, batch * n_hblk)
@@ -221,9 +222,11 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     (64-key blocks at 3 stages would not fit an fp32 tile pair in 227 KiB); fp8 64-row blocks:
     32-key blocks, 8 warps, 2 stages.
     fp8 words form (uint16 cache): "words", fp16 dots, 64-key blocks, 4 warps, 3 stages at
-    16-row blocks (H200, 2026-12-02: 70.3% / 77.6% / 48.2% of copy at B16 32K / B64 128K / B1
-    128K; 8 warps 49-55%, 4 stages 59-67%, 2 stages 36-71%, 32-key blocks at 4 or 6 stages
-    38-64%, "words_int" 64-70%); 32-key blocks, 8 warps, 2 stages at 64-row blocks (compiles
+    16-row blocks (H200, 2026-12-02, % of copy at B16 32K / B64 128K, each against the default
+    in the same call: call 1 default 65.6 / 70.0, 8 warps 49.0 / 54.6, 4 stages 58.7 / 67.0;
+    call 2 default 68.9 / 76.6, 2 stages 62.0 / 70.6, 32-key blocks at 4 stages 56.8 / 63.6, at
+    6 stages 55.0 / 62.1; call 5 default 70.3 / 77.6, "words_int" 64.1 / 70.2; results_mla.md);
+    32-key blocks, 8 warps, 2 stages at 64-row blocks (compiles
     without spilling much offline; 128 heads B16 32K 1379 us against bf16's 574: compute-bound,
     as the float8 cache's kernel is); "words_int" on ROCm (no PTX there; not run on AMD).
     fp8 (float8 cache): 64-key blocks, 8 warps, 3 stages, "operand" upcast with fp16 dots: the
