@@ -679,15 +679,18 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
     """Absorbed MLA decode / multi-token verify over a paged latent cache.
 
     q [B, Tq, Hq, 576] (q_lat 512 | q_rope 64), cache [num_pages, page_size, 576] (bf16, fp32, or
-    float8_e4m3fn with `cache_scale` () / (1,) / [num_pages, page_size] fp32), page_table
+    float8_e4m3fn with `cache_scale` () / (1,) / [num_pages, page_size] fp32) or an fp8 cache in
+    the words form, uint16 [num_pages, page_size, 288] (`fp8_to_words`; the fast fp8 path, with
+    `cache_scale` likewise), page_table
     [B, max_pages] int32, lengths [B] int32 (history incl. the Tq new tokens), scale: softmax
     scale. Returns (o [B, Tq, Hq, 512] in out_dtype (default q.dtype), lse [B, Tq, Hq] fp32,
     -inf where a query sees no key; o is 0 there).
 
     Variants (None = `default_config` for the shapes): num_splits (an int, or the policy
     "waves" / "fill"), block_h, block_k, num_warps, num_stages, load ("page" / "token") and,
-    for an fp8 cache, fp8_upcast ("mixed" / "tile" / "operand") and fp8_dot ("bf16" / "fp16":
-    the dtype the dots run in); merge: how the splits are combined ("pallas": merge.py, one
+    for an fp8 cache, fp8_upcast ("mixed" / "tile" / "operand" for a float8 cache, "words" /
+    "words_int" for the words form) and fp8_dot ("bf16" / "fp16": the dtype the dots run in;
+    the words form runs fp16); merge: how the splits are combined ("pallas": merge.py, one
     launch; "xla": reference.merge_stacked); partials: the dtype of the per-split outputs
     written by the kernel and read by the merge: "float32", or "bfloat16" (half that traffic,
     one more bf16 rounding of each normalised partial; the merge weighs and sums in fp32). None:
