@@ -471,6 +471,9 @@ def test_rocm_default_fits_mi300x_and_lowers(dtype, monkeypatch):
     kw = {k: c[k] for k in ("block_k", "num_warps", "num_stages", "num_splits")}
     if dtype == jnp.uint16:
         assert c["fp8_upcast"] == "words_int"
+        with pytest.raises(ValueError, match="words_int"):    # "words" is NVIDIA PTX
+            resolve_config((B, 1, 16, 576), (pages, 64, width), dtype, (B, ctx // 64),
+                           num_sms=304, platform="rocm", fp8_upcast="words")
         kw["fp8_upcast"] = c["fp8_upcast"]
         monkeypatch.setattr(decode, "kernel_platform", lambda: "rocm")   # the jnp bits, no PTX
     args = (sd((B, 1, 16, 576), jnp.bfloat16), sd((pages, 64, width), dtype),

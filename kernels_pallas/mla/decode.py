@@ -642,6 +642,9 @@ def resolve_config(q_shape, cache_shape, cache_dtype, page_table_shape, *, num_s
     fp8_upcast = fp8_upcast or cfg["fp8_upcast"]
     if fp8_upcast not in FP8_UPCASTS:
         raise ValueError(f"fp8_upcast={fp8_upcast!r} is not one of {FP8_UPCASTS}")
+    if fp8_upcast == "words" and (platform or kernel_platform()) == "rocm":
+        raise ValueError('fp8_upcast="words" converts with NVIDIA PTX; on ROCm use "words_int" '
+                         "(the default there)")
     if itemsize == 1 and words != (fp8_upcast in WORD_UPCASTS):
         raise ValueError(
             f"fp8_upcast={fp8_upcast!r} with a {'words' if words else 'float8'} cache: the "
