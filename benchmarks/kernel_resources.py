@@ -175,7 +175,8 @@ def mla_kernels():
     """MLA decode at B16 32K, 16 heads, 64-token pages: the bf16 default, the float8 cache's
     variants (upcast x dot dtype) at its default blocks (64 keys, 8 warps, 3 stages) and the fp8
     words form's two conversions at its defaults (64 keys, 4 warps, 3 stages); #1 is the split
-    merge (merge.py). The words form's kernels hold PTX: sm_90 only (--targets sm_90)."""
+    merge (merge.py). The words form's kernels hold PTX: compiled for sm_90 only (its ROCm form,
+    "words_int" in jnp, is in results_mla.md, 2026-12-02)."""
     from kernels_pallas.mla.decode import mla_decode, resolve_config
 
     B, ctx, pages = 16, 32768, 8192
@@ -219,6 +220,9 @@ def main():
             by_platform = {}  # lowered once per platform (jax caches the lowering)
             for target in targets:
                 platform = "cuda" if target.startswith("sm_") else "rocm"
+                if platform == "rocm" and " fp8w " in name:     # PTX inside: NVIDIA only
+                    print(f"{name:<58} {target:<7} (skipped: the words form's PTX is NVIDIA's)")
+                    continue
                 if platform not in by_platform:
                     by_platform[platform] = triton_ir(fn, *args, platform=platform)
                 irs = by_platform[platform]
