@@ -7,6 +7,8 @@ bytes one decode step must read (weights incl. the experts hit, KDA state read +
 over the copy bandwidth measured in the same run.
 
 Run (repo root): PYTHONUNBUFFERED=1 python3 benchmarks/bench_engine.py   [BENCH_TINY=1 on CPU]
+(BENCH_MLA_CACHE=fp8: the MLA cache as e4m3 words, Config.mla_cache_dtype="fp8"; not run on a GPU
+yet.)
 Writes $OUT/bench_engine.json (after every batch size) and prints a table.
 """
 from __future__ import annotations
@@ -27,15 +29,17 @@ OUT = os.environ.get("OUT", "/tmp")
 TINY = os.environ.get("BENCH_TINY") == "1"
 BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "1,16,64,256").split(",")]
 BUDGET = float(os.environ.get("BENCH_BUDGET_S", "250"))
+MLA_CACHE = os.environ.get("BENCH_MLA_CACHE", "auto")   # "fp8": Config.mla_cache_dtype="fp8"
 
 
 def reduced_k3():
     if TINY:
-        return kimik3.Config.preset("tiny").replace(num_layers=3, layer_types=("kda", "kda", "mla"))
+        return kimik3.Config.preset("tiny").replace(num_layers=3, layer_types=("kda", "kda", "mla"),
+                                                    mla_cache_dtype=MLA_CACHE)
     return kimik3.Config.preset("kimi-k3").replace(
         name="k3-tp8-rank-3L", num_layers=3, layer_types=("kda", "kda", "mla"), kda_num_heads=12,
         mla_num_heads=12, intermediate_size=33792 // 8, moe_intermediate_size=3072 // 8,
-        vocab_size=163840 // 8, attn_res_block_size=2)
+        vocab_size=163840 // 8, attn_res_block_size=2, mla_cache_dtype=MLA_CACHE)
 
 
 def copy_bandwidth():
@@ -61,7 +65,7 @@ def step_bytes(cfg, params, batch, ctx):
     hit = cfg.num_experts * (1 - (1 - cfg.num_experts_per_token / cfg.num_experts) ** batch)
     experts = expert * hit / cfg.num_experts
     kda = len(cfg.kda_layers) * batch * cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 4 * 2
-    mla = len(cfg.mla_layers) * batch * ctx * cfg.mla_cache_dim * 2
+    mla = len(cfg.mla_layers) * batch * ctx * cfg.mla_cache_dim * (1 if cfg.mla_cache_dtype == "fp8" else 2)
     return other + experts + kda + mla, dict(other=other, experts=experts, kda=kda, mla=mla)
 
 
