@@ -110,10 +110,10 @@ _LN2 = math.log(2.0)
 
 SPLIT_POLICIES = ("waves", "fill")
 LOADS = ("page", "token")
-# The "words" upcasts: how the QK^T and the PV operands are converted (_e4m3_word_halves).
+# The "words" upcasts and the conversion each runs on both dots' operands (_e4m3_word_halves).
 # Mixed forms (one dot "cvt", the other "int", to spread the work over two pipes) were timed on
 # the H200 (results_mla.md, 2026-12-02) and lost to "words" at 5 of 6 shapes; not kept.
-WORD_CONVERSIONS = {"words": ("cvt", "cvt"), "words_int": ("int", "int")}
+WORD_CONVERSIONS = {"words": "cvt", "words_int": "int"}
 WORD_UPCASTS = tuple(WORD_CONVERSIONS)
 FP8_UPCASTS = ("mixed", "tile", "operand") + WORD_UPCASTS
 FP8_DOTS = ("bf16", "fp16")
@@ -410,11 +410,10 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
         if words:
             # each 16-bit word holds dims 2d (low byte) and 2d + 1 (high byte) of one token;
             # both become fp16 in registers after the 16-bit tile's shared-memory load
-            qk_conv, pv_conv = WORD_CONVERSIONS[fp8_upcast]
-            k_lo, k_hi = _e4m3_word_halves(c, qk_conv, word_ptx)
-            c_lo, c_hi = _e4m3_word_halves(c, pv_conv, word_ptx)     # the PV operands
-            r_lo, r_hi = _e4m3_word_halves(kr, qk_conv, word_ptx)
-            s = (plgpu.dot(q_lat[0], k_lo, trans_b=True) + plgpu.dot(q_lat[1], k_hi, trans_b=True)
+            conv = WORD_CONVERSIONS[fp8_upcast]
+            c_lo, c_hi = _e4m3_word_halves(c, conv, word_ptx)
+            r_lo, r_hi = _e4m3_word_halves(kr, conv, word_ptx)
+            s = (plgpu.dot(q_lat[0], c_lo, trans_b=True) + plgpu.dot(q_lat[1], c_hi, trans_b=True)
                  + plgpu.dot(q_rope[0], r_lo, trans_b=True)
                  + plgpu.dot(q_rope[1], r_hi, trans_b=True))
         elif fp8_upcast is None or fp8_upcast == "operand":
@@ -509,9 +508,10 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
                          '(or None)')
     fp16_dots = is_fp8 and fp8_dot == "fp16"
     compute_dtype = (jnp.float16 if fp16_dots else jnp.bfloat16) if is_fp8 else cache.dtype
-    # Where q rows are scaled for fp16 dots: in the kernel at 16-row blocks (saves ~4 us of
+    # Where q rows are scaled for fp16 dots: in the kernel at 16-row blocks (saves 4.0 us of
     # small XLA kernels a call at batch 1 on the H200), outside for larger blocks (in the kernel
-    # the 64-row fp8 "operand" kernel took 1878 instead of 1138 us at 128 heads, B16 32K)
+    # the 64-row fp8 "operand" kernel read 1878.6 us at 128 heads, B16 32K; outside, 1138.5
+    # and 1119.9 in the calls before and after; results_mla.md, 2026-12-02)
     row_scale = None if not fp16_dots else ("kernel" if block_h == 16 else "input")
 
     qf = q.reshape(B, rows, CACHE_DIM)
@@ -546,9 +546,8 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
                                  f"{(num_pages, page_size)}")
             token_scale = cs
     if words:
-        qk_conv, pv_conv = WORD_CONVERSIONS[fp8_upcast]
-        score_mult = score_mult * _CONV_SCALE[qk_conv]
-        out_mult = out_mult * _CONV_SCALE[pv_conv]
+        conv_scale = _CONV_SCALE[WORD_CONVERSIONS[fp8_upcast]]
+        score_mult, out_mult = score_mult * conv_scale, out_mult * conv_scale
     scal = jnp.stack([score_mult, out_mult, jnp.float32(1.0)]).astype(jnp.float32)
     ntok = num_pages * page_size
     width = cache.shape[-1]

@@ -47,8 +47,9 @@ WORDS_DTYPE = jnp.uint16
 
 
 def is_words(cache) -> bool:
-    """Whether `cache` is an fp8 cache in the words form (uint16 [..., 288])."""
-    return jnp.dtype(cache.dtype) == WORDS_DTYPE and cache.shape[-1] == WORDS
+    """Whether `cache` is an fp8 cache in the words form (uint16; the decode kernel's is
+    [..., 288], the model's [..., cache width / 2])."""
+    return jnp.dtype(cache.dtype) == WORDS_DTYPE
 
 
 def fp8_to_words(cache):
@@ -78,11 +79,6 @@ def quantize_words(x, scale: float):
     return fp8_to_words(q)
 
 
-def dequantize_words(words, scale: float, dtype):
-    """fp8 words [..., n] -> the values [..., 2n] (e4m3 * scale) in `dtype`."""
-    return (words_to_fp8(words).astype(jnp.float32) * scale).astype(dtype)
-
-
 def dequant_cache(cache, cache_scale=None):
     """The cache's values in fp32 (cache * cache_scale); an fp8 words cache is read as fp8."""
     if is_words(cache):
@@ -102,10 +98,9 @@ def mla_decode_reference(q, cache, page_table, lengths, *, scale, cache_scale=No
                          out_dtype=None):
     """(o [B,Tq,Hq,512] in out_dtype (default q.dtype), lse [B,Tq,Hq] fp32); computed in fp32."""
     B, Tq, Hq, D = q.shape
-    if is_words(cache):
-        cache = words_to_fp8(cache)
-    if D != CACHE_DIM or cache.shape[-1] != CACHE_DIM:
-        raise ValueError(f"q last dim {D}, cache last dim {cache.shape[-1]}: both must be 576")
+    width = cache.shape[-1] * (2 if is_words(cache) else 1)
+    if D != CACHE_DIM or width != CACHE_DIM:
+        raise ValueError(f"q last dim {D}, cache values a token {width}: both must be 576")
     _, page_size, _ = cache.shape
     max_pages = page_table.shape[1]
     kv = dequant_cache(cache, cache_scale)[page_table]            # [B, maxp, ps, 576]

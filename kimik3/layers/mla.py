@@ -12,7 +12,7 @@ import flax.linen as nn
 from kernels_pallas import resolve_backend
 from kernels_pallas.mla import mla_decode
 from kernels_pallas.mla.decode import CACHE_DIM
-from kernels_pallas.mla.reference import dequantize_words, quantize_words
+from kernels_pallas.mla.reference import dequant_cache, quantize_words
 from kernels_pallas.mla.prefill import QK_DIM, V_DIM, mla_prefill, mla_prefill_chunked
 
 from .common import F32, RMSNorm, Weight, dense
@@ -36,7 +36,7 @@ def cache_scale(cfg):
 
 def read_cache(values, scale, dtype):
     """Cache entries as values in `dtype`: fp8 words dequantised (scale not None) or as they are."""
-    return values if scale is None else dequantize_words(values, scale, dtype)
+    return values if scale is None else dequant_cache(values, scale).astype(dtype)
 
 
 def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=None, page_table=None,
