@@ -380,6 +380,9 @@ def check_variants(run, backend, variants, cpu):
         if v in variants:
             cfgs.append(C(16, 64 if cpu else 128, 64 if cpu else 256, num_warps=4, num_stages=4,
                           dequant=v, x_split="stride"))
+    if "split_asm_t" in variants:  # persistent launches: few / one-a-SM / three-a-SM programs
+        cfgs += [C(16, 64 if cpu else 128, 64 if cpu else 128, num_warps=4, num_stages=3,
+                   dequant="split_asm_t", persistent=p) for p in ((3, 16) if cpu else (7, 132, 396))]
     for cfg in cfgs:
         name = cfg.name()
         if not run.start(f"check {name}"):
