@@ -380,9 +380,9 @@ def check_variants(run, backend, variants, cpu):
         if v in variants:
             cfgs.append(C(16, 64 if cpu else 128, 64 if cpu else 256, num_warps=4, num_stages=4,
                           dequant=v, x_split="stride"))
-    if "split_asm_t" in variants:  # persistent launches: few / one-a-SM / three-a-SM programs
-        cfgs += [C(16, 64 if cpu else 128, 64 if cpu else 128, num_warps=4, num_stages=3,
-                   dequant="split_asm_t", persistent=p) for p in ((3, 16) if cpu else (7, 132, 396))]
+    if "split_asm_t" in variants:  # x resident over 2 column blocks a program (K blocks of 128)
+        cfgs.append(C(16, 32 if cpu else 64, 64 if cpu else 128, num_warps=4, num_stages=3,
+                      dequant="split_asm_t", n_per_program=2, x_resident=True))
     for cfg in cfgs:
         name = cfg.name()
         if not run.start(f"check {name}"):
@@ -716,7 +716,7 @@ def ours_case(fn, args, y_ref, flop, wbytes, ceil, cfg_name, cpu, tol=1e-2):
 
 def _extra_configs(env: str):
     """[(name, GmmConfig field overrides)] from "name:block_n=64,...;..." in the environment."""
-    bools = {"transpose_small"}
+    bools = {"transpose_small", "x_resident"}
     return [(item.partition(":")[0], parse_overrides(item.partition(":")[2], bools))
             for item in filter(None, os.environ.get(env, "").split(";"))]
 

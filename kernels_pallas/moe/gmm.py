@@ -105,7 +105,6 @@ from . import mxfp4, paired
 from .tiles import tile_plan
 from .reference import MXFP4Weight, glu, is_mxfp4, moe_gmm_glu_reference, moe_gmm_reference
 
-_PRELOADED_TILES = 8  # persistent launches: a run's tiles read before the loop up to this many
 _F16_SHIFT = 2.0 ** 14  # every dequant variant yields value * 2^(s-127) * 2^-14
 _BF16_SCALE_BIAS = 125 - 14  # scale byte s -> bf16 exponent field of 2^(s-16)
 _BF16_MAX_SCALE = 254 - _BF16_SCALE_BIAS  # 143: the largest scale byte the bf16 path keeps exact
@@ -157,15 +156,11 @@ class GmmConfig:
     # w^T [block_n, K] . x^T -> [block_n, rows], so that the weights fill the MMA's M side (a
     # 32-row tile is below the 64 rows of one H100/H200 wgmma) and the rows are its N side.
     transpose_small: bool = False
-    # A third row block between block_m_small and block_m: a group's last tile runs the smallest
-    # of the three that holds its rows (prefill pads each group's tail to a row block: with 146
-    # rows an expert on average, 128 / 32 computes 16% more rows than there are, 128 / 64 / 32 11%).
-    block_m_mid: int | None = None
-    # A persistent launch of this many programs (0: off): the (used tile, column block) items are
-    # dealt out in equal contiguous runs and each program streams its run in one flattened
-    # (item, K block) loop: one pipeline fill a program and no tail wave. Decode-shaped (one
-    # row block, no block_m_small / block_m_mid / n_per_program).
-    persistent: int = 0
+    # With n_per_program > 1: x's K blocks loaded once a program (before the loop), which then
+    # walks the column blocks with the K blocks unrolled inside (short K only: n_k x-tiles live
+    # in shared memory / registers for the whole program). A row tile's x is otherwise reloaded
+    # for every column block.
+    x_resident: bool = False
 
     def __post_init__(self):
         dequant_variant(self.dequant)
@@ -173,26 +168,14 @@ class GmmConfig:
             raise ValueError(f"x_split={self.x_split!r} is not one of {X_SPLITS}")
         if self.n_per_program < 1:
             raise ValueError(f"n_per_program must be >= 1, got {self.n_per_program}")
-        if self.persistent < 0:
-            raise ValueError(f"persistent must be >= 0 (0: off), got {self.persistent}")
-        if self.persistent and (self.n_per_program > 1 or self.block_m_small
-                                or self.block_m_mid):
-            raise ValueError("persistent launches walk (tile, column block) items of one row "
-                             "block: leave n_per_program at 1 and block_m_small / block_m_mid "
-                             f"unset (got {self})")
-        for name in ("block_m_small", "block_m_mid"):
-            b = getattr(self, name)
-            if b is not None and b <= 0:  # (one >= block_m is no smaller block: unused)
-                raise ValueError(f"{name} must be a positive row count or None, got {b}")
 
     def name(self) -> str:
         """Short label: bm/small, bn, bk, warps, stages (+ MXFP4 dequant options when not default)."""
-        mid = f"/{self.block_m_mid}" if self.block_m_mid else ""
-        s = (f"bm{self.block_m}{mid}/{self.block_m_small}_bn{self.block_n}_bk{self.block_k}"
+        s = (f"bm{self.block_m}/{self.block_m_small}_bn{self.block_n}_bk{self.block_k}"
              f"_w{self.num_warps}_s{self.num_stages}"
              + (f"_np{self.n_per_program}" if self.n_per_program > 1 else "")
-             + (f"_p{self.persistent}" if self.persistent else "")
-             + ("_tsmall" if self.transpose_small else ""))
+             + ("_tsmall" if self.transpose_small else "")
+             + ("_xres" if self.x_resident else ""))
         if self.dequant != "interleave":
             s += f"_{self.dequant}"
             if self.x_split != "pre" and self.dequant.startswith("split"):
@@ -553,20 +536,22 @@ def _load(ref, mask):
     return plgpu.load(ref, mask=mask, other=0)
 
 
-def _gmm_kernel(meta_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count: int, quant: bool,
+def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count: int, quant: bool,
                 n_w: int, epilogue, cdt, precision, use_asm: bool, layout: str = "k3"):
     from jax.experimental.pallas import triton as plgpu
 
-    if cfg.persistent:
-        count_ref, x_ref, *refs = refs
-    else:
-        x_ref, *refs = refs
     w_refs = refs[:-1]
     o_ref = refs[-1]
     bn, bk = cfg.block_n, cfg.block_k
     split, bits = dequant_variant(cfg.dequant) if quant else (False, "f16")
     half, hk, ng = bk // 2, k // 2, bk // mxfp4.GROUP  # per K block: packed columns, scale groups
+    nb = pl.program_id(0)
+    t = pl.program_id(1)
+    grp = meta_ref[0, t]
+    r0 = meta_ref[1, t]
+    r1 = meta_ref[2, t]
     n_inner = cfg.n_per_program
+    nb0 = nb * (bn * n_inner)  # this program's first column; column block j starts at nb0 + j bn
     n_k = pl.cdiv(k, bk)
     k_ragged = k % bk != 0
     n_ragged = n % (bn * n_inner) != 0
@@ -575,7 +560,7 @@ def _gmm_kernel(meta_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count: int, q
     def col_ok(n0):
         return n0 + jnp.arange(bn, dtype=jnp.int32) < n
 
-    def store(bm, val, n0, r0, r1):
+    def store(bm, val, n0):
         rows = r0 + jnp.arange(bm, dtype=jnp.int32)
         mask = (rows < r1)[:, None]
         if n_ragged:
@@ -594,19 +579,16 @@ def _gmm_kernel(meta_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count: int, q
             return plgpu.dot(wb, xb, trans_b=True, precision=precision)
         return plgpu.dot(xb, wb, trans_b=True, precision=precision)
 
-    def product(bm):
-        """The pieces of one bm-row product: (fetch, step, finish, zero accumulators). A tile is
-        (group, row start, row end, live); a dead tile (the zero group, an unused slot: only the
-        persistent loop meets them) reads group 0's weights and stores zeros."""
+    def compute(bm):
+        rows = r0 + jnp.arange(bm, dtype=jnp.int32)
+        row_ok = rows < r1
         # the product transposed, w^T . x^T -> [bn, bm]: always in MXFP4 "split_asm_t", and for
-        # dense weights on the tiles below block_m when transpose_small
+        # dense weights on the short tiles when transpose_small
         tr_dense = not quant and cfg.transpose_small and bm < cfg.block_m
         tr = transposed or tr_dense
 
-        def load_x(tile, c0, width, part=None):
+        def load_x(c0, width, part=None):
             """x columns [c0, c0 + width); part 0/1: of x's even/odd columns (c0 in half units)."""
-            _, r0, r1, _ = tile
-            rows = r0 + jnp.arange(bm, dtype=jnp.int32)
             limit = k
             kcol = c0 + jnp.arange(width, dtype=jnp.int32)
             if part is None:
@@ -619,15 +601,14 @@ def _gmm_kernel(meta_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count: int, q
                     kcol = _perm_t_index(kcol, perm_s)
                 idx = 2 * kcol + part
                 ref, limit = x_ref.at[rows[:, None], idx[None, :]], hk
-            mask = (rows < r1)[:, None]
+            mask = row_ok[:, None]
             if k_ragged:
                 mask = mask & (kcol < limit)[None, :]
             return plgpu.load(ref, mask=mask, other=0).astype(cdt)
 
-        def fetch(tile, kb, n0):
-            """K block kb's tiles: x (or its even / odd halves) and per weight its tile / packed
-            bytes and scales (columns [n0, n0 + bn))."""
-            grp = tile[0]
+        def fetch(kb, n0, xs=None):
+            """K block kb's tiles: x (or its even / odd halves; `xs` if given: already loaded) and
+            per weight its tile / packed bytes and scales (columns [n0, n0 + bn))."""
 
             def wmask(c0, width, limit):
                 if not edge:
@@ -641,11 +622,11 @@ def _gmm_kernel(meta_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count: int, q
                 m_ = None
                 if edge:
                     m_ = (k0 + jnp.arange(bk) < k)[:, None] & col_ok(n0)[None, :]
-                return (load_x(tile, k0, bk),), [
+                return xs or (load_x(k0, bk),), [
                     _load(w_ref.at[grp, pl.ds(k0, bk), pl.ds(n0, bn)], m_).astype(cdt)
                     for w_ref in w_refs]
-            xs = ((load_x(tile, h0, half, 0), load_x(tile, h0, half, 1)) if split
-                  else (load_x(tile, k0, bk),))
+            if xs is None:
+                xs = (load_x(h0, half, 0), load_x(h0, half, 1)) if split else (load_x(k0, bk),)
             ws = []
             for i in range(n_w):
                 p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
@@ -678,87 +659,40 @@ def _gmm_kernel(meta_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count: int, q
                     out.append(acc + mm(xs[0], _dequant_tile(pb, sb, cdt, bits)))
             return tuple(out)
 
-        def finish(tile, accs, n0):
-            _, r0, r1, live = tile
+        def finish(accs, n0):
             if quant:
                 accs = tuple(a * _F16_SHIFT for a in accs)
             val = epilogue(*accs)
-            if live is not None:
-                val = jnp.where(live, val, jnp.zeros_like(val))
-            store(bm, val.T if tr else val, n0, r0, r1)
+            store(bm, val.T if tr else val, n0)
 
         shape = (bn, bm) if tr else (bm, bn)
         accs = tuple(jnp.zeros(shape, jnp.float32) for _ in range(n_w))
-        return fetch, step, finish, accs
+        if n_inner > 1 and cfg.x_resident:  # x's K blocks once; a loop over column blocks
+            xs_k = [fetch(jnp.int32(kb), nb0)[0] for kb in range(n_k)]
 
-    def stream(bm, n_steps, tile_at, first_col):
-        """One loop over `n_steps` (item, K block) steps, item = (tile, column block); item j's
-        result is stored when its last K block is done: the software pipeline streams through
-        item boundaries (one fill a program, not one a column block)."""
-        fetch, step, finish, accs = product(bm)
+            def body_j(j, carry):
+                n0 = pl.multiple_of(nb0 + j * bn, bn)
+                acc_j = accs
+                for kb in range(n_k):
+                    acc_j = step(fetch(jnp.int32(kb), n0, xs_k[kb]), acc_j)
+                finish(acc_j, n0)
+                return carry
+            jax.lax.fori_loop(0, n_inner, body_j, ())
+        elif n_inner > 1:  # one loop over (column block j, K block kb), stored at each j's end
+            def body(i, accs):
+                j = i // n_k
+                kb = i - j * n_k
+                n0 = pl.multiple_of(nb0 + j * bn, bn)
+                accs = step(fetch(kb, n0), accs)
+                last = kb == n_k - 1
 
-        def body(i, accs):
-            j = i // n_k
-            kb = i - j * n_k
-            tile = tile_at(j)
-            n0 = pl.multiple_of(first_col(j), bn)
-            accs = step(fetch(tile, kb, n0), accs)
-            last = kb == n_k - 1
-
-            @pl.when(last)
-            def _():
-                finish(tile, accs, n0)
-            return tuple(jnp.where(last, jnp.zeros_like(a), a) for a in accs)
-        jax.lax.fori_loop(0, n_steps, body, accs)
-
-    if cfg.persistent:  # program p walks items [p * per, (p + 1) * per) of the used tiles
-        n_cb = pl.cdiv(n, bn)
-        total = count_ref[0] * n_cb
-        per = (total + cfg.persistent - 1) // cfg.persistent
-        first = pl.program_id(0) * per
-        n_items = jnp.clip(total - first, 0, per)
-
-        n_tiles = meta_ref.shape[1]
-        # A run of <= per_max items touches at most `span` tiles. Their table entries are read
-        # before the loop and picked by selects: a table read inside the loop feeds the weight
-        # and x addresses, and Triton's pipeliner then waits for every load in flight at each
-        # step (offline sm_90 SASS: DEPBAR.LE SB0, 0 at the loop head).
-        span = (pl.cdiv(n_tiles * n_cb, cfg.persistent) - 1) // n_cb + 2
-        t_first = first // n_cb
-        if span <= _PRELOADED_TILES:
-            table = [[meta_ref[r, jnp.minimum(t_first + d, n_tiles - 1)] for r in range(3)]
-                     for d in range(span)]
-
-        def tile_at(j):
-            t = (first + j) // n_cb
-            if span <= _PRELOADED_TILES:
-                grp, r0, r1 = table[0]
-                for d in range(1, span):
-                    grp, r0, r1 = (jnp.where(t == t_first + d, a, b)
-                                   for a, b in zip(table[d], (grp, r0, r1)))
-            else:  # (a persistent launch of few programs; correct, not pipelined as well)
-                grp, r0, r1 = meta_ref[0, t], meta_ref[1, t], meta_ref[2, t]
-            live = (grp >= 0) & (grp < g_count) & (r1 > r0)
-            return jnp.clip(grp, 0, g_count - 1), r0, r1, live
-
-        stream(cfg.block_m, n_items * n_k, tile_at, lambda j: ((first + j) % n_cb) * bn)
-        return
-
-    nb = pl.program_id(0)
-    t = pl.program_id(1)
-    grp = meta_ref[0, t]
-    r0 = meta_ref[1, t]
-    r1 = meta_ref[2, t]
-    tile = (grp, r0, r1, None)
-    nb0 = nb * (bn * n_inner)  # this program's first column; column block j starts at nb0 + j bn
-
-    def compute(bm):
-        if n_inner > 1:  # one loop over (column block j, K block kb), stored at each j's end
-            stream(bm, n_inner * n_k, lambda j: tile, lambda j: nb0 + j * bn)
-            return
-        fetch, step, finish, accs = product(bm)
-        accs = jax.lax.fori_loop(0, n_k, lambda kb, a: step(fetch(tile, kb, nb0), a), accs)
-        finish(tile, accs, nb0)
+                @pl.when(last)
+                def _():
+                    finish(accs, n0)
+                return tuple(jnp.where(last, jnp.zeros_like(a), a) for a in accs)
+            jax.lax.fori_loop(0, n_inner * n_k, body, accs)
+        else:
+            finish(jax.lax.fori_loop(0, n_k, lambda kb, a: step(fetch(kb, nb0), a), accs), nb0)
 
     is_zero = grp == g_count
     is_work = (grp >= 0) & (grp < g_count) & (r1 > r0)
@@ -766,17 +700,23 @@ def _gmm_kernel(meta_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count: int, q
     @pl.when(is_zero & (r1 > r0))
     def _():
         for j in range(n_inner):
-            store(cfg.block_m, jnp.zeros((cfg.block_m, bn), jnp.float32), nb0 + j * bn, r0, r1)
+            store(cfg.block_m, jnp.zeros((cfg.block_m, bn), jnp.float32), nb0 + j * bn)
 
-    # the row block of a tile: the smallest of (block_m_small, block_m_mid, block_m) that holds it
-    levels = sorted({b for b in (cfg.block_m_small, cfg.block_m_mid) if b and b < cfg.block_m})
-    levels.append(cfg.block_m)
-    rows = r1 - r0
-    below = 0
-    for bm in levels:
-        fits = rows <= bm if bm != cfg.block_m else True
-        pl.when(is_work & fits & (rows > below))(functools.partial(compute, bm))
-        below = bm
+    bms = cfg.block_m_small
+    if bms is not None and bms < cfg.block_m:
+        small = (r1 - r0) <= bms
+
+        @pl.when(is_work & small)
+        def _():
+            compute(bms)
+
+        @pl.when(is_work & jnp.logical_not(small))
+        def _():
+            compute(cfg.block_m)
+    else:
+        @pl.when(is_work)
+        def _():
+            compute(cfg.block_m)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -914,10 +854,8 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
         x_in = x.data
     else:
         x_in = x.dense() if isinstance(x, SplitX) else x
-    meta = tile_plan(group_sizes, m, cfg.block_m, interpret=interpret,
-                     with_count=bool(cfg.persistent))  # one launch
-    plan = meta if cfg.persistent else (meta,)
-    n_tiles = plan[0].shape[1]
+    meta = tile_plan(group_sizes, m, cfg.block_m, interpret=interpret)  # one launch
+    n_tiles = meta.shape[1]
     flat_w = []
     for w in ws:
         flat_w += [w.packed, w.scales] if quant else [w]
@@ -927,12 +865,11 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=((cfg.persistent,) if cfg.persistent
-              else (pl.cdiv(n, cfg.block_n * cfg.n_per_program), n_tiles)),
+        grid=(pl.cdiv(n, cfg.block_n * cfg.n_per_program), n_tiles),
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="moe_gmm",
-    )(*plan, x_in, *flat_w)
+    )(meta, x_in, *flat_w)
 
 
 def _check_paired(cfg: GmmConfig, interpret: bool):

@@ -23,8 +23,8 @@ _CHUNK = 4  # tiles per program ([4, G] compares and masked sums): the fastest o
 _WARPS = 4
 
 
-def _tiles_kernel(gs_ref, o_ref, *count_ref, g: int, m: int, block_m: int, gp: int,
-                  n_tiles: int, chunk: int):
+def _tiles_kernel(gs_ref, o_ref, *, g: int, m: int, block_m: int, gp: int, n_tiles: int,
+                  chunk: int):
     from jax.experimental.pallas import triton as plgpu
 
     i = jnp.arange(gp, dtype=jnp.int32)  # group index; index g is the zero group
@@ -53,29 +53,22 @@ def _tiles_kernel(gs_ref, o_ref, *count_ref, g: int, m: int, block_m: int, gp: i
                                jnp.where(valid, end, 0))):
         plgpu.store(o_ref.at[jnp.int32(row), pl.ds(pl.program_id(0) * chunk, chunk)], val,
                     mask=in_range)
-    if count_ref:  # the used slots, a prefix of the table: the groups' tiles, then the zero group's
-        @pl.when(pl.program_id(0) == 0)
-        def _():
-            count_ref[0][0] = jnp.minimum(jnp.sum(tiles), n_tiles)
 
 
-@functools.partial(jax.jit, static_argnames=("m", "block_m", "interpret", "chunk", "warps",
-                                             "with_count"))
+@functools.partial(jax.jit, static_argnames=("m", "block_m", "interpret", "chunk", "warps"))
 def tile_plan(group_sizes, m: int, block_m: int, interpret: bool = False, chunk: int = 0,
-              warps: int = 0, with_count: bool = False):
+              warps: int = 0):
     """`gmm.tile_metadata(group_sizes, m, block_m)` in one Pallas launch (equal, tested).
-    chunk / warps: tiles per program and warps (0: the defaults). with_count: also [1] int32, the
-    number of used slots (they come first; the persistent grouped matmul walks only those)."""
+    chunk / warps: tiles per program and warps (0: the defaults)."""
     chunk, warps = chunk or _CHUNK, warps or _WARPS
     g = group_sizes.shape[0]
     n_tiles = pl.cdiv(m, block_m) + g
     gp = max(16, pl.next_power_of_2(g + 1))
     kernel = functools.partial(_tiles_kernel, g=g, m=m, block_m=block_m, gp=gp, n_tiles=n_tiles,
                                chunk=chunk)
-    table = jax.ShapeDtypeStruct((3, n_tiles), jnp.int32)
     return pl.pallas_call(
         kernel,
-        out_shape=(table, jax.ShapeDtypeStruct((1,), jnp.int32)) if with_count else table,
+        out_shape=jax.ShapeDtypeStruct((3, n_tiles), jnp.int32),
         grid=(pl.cdiv(n_tiles, chunk),),
         compiler_params=triton_params(warps, 1),
         interpret=interpret,
