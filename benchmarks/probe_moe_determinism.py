@@ -4,7 +4,8 @@ K 3584 x N 768 and K 384 x N 3584), against moe_gmm on the exact bf16 weights.
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/probe_moe_determinism.py
   PROBE_CONFIGS="128,128,3,np4;128,256,3" PROBE_K=384 PROBE_TOKENS=512 PROBE_CALLS=12 ...
-      # bn,bk,stages[,npN = n_per_program]; K filter; tokens (default 64); calls (default 8)
+      # bn,bk,stages[,npN = n_per_program][,xr = x_resident]; K filter; tokens (default 64);
+      # calls (default 8)
 
 Prints per config: elements that differ between calls, the max error range, non-finite outputs,
 the first rows that are wrong. Found (2026-12-02, results_moe.md run 8): some configs with K
@@ -28,8 +29,8 @@ CONFIGS = ((128, 256, 4), (128, 128, 4), (64, 128, 4), (128, 128, 3), (64, 128, 
 
 
 def _configs():
-    """PROBE_CONFIGS "bn,bk,stages[,npN];..." (npN: N column blocks per program) or the default
-    set."""
+    """PROBE_CONFIGS "bn,bk,stages[,npN][,xr];..." (npN: N column blocks per program; xr: x
+    resident) or the default set."""
     env = os.environ.get("PROBE_CONFIGS")
     if not env:
         return [GmmConfig(16, bn, bk, num_warps=4, num_stages=st, dequant="split_asm_t")
@@ -39,7 +40,8 @@ def _configs():
         f = item.split(",")
         nps = [int(v[2:]) for v in f[3:] if v.startswith("np")]
         out.append(GmmConfig(16, int(f[0]), int(f[1]), num_warps=4, num_stages=int(f[2]),
-                             dequant="split_asm_t", n_per_program=nps[0] if nps else 1))
+                             dequant="split_asm_t", n_per_program=nps[0] if nps else 1,
+                             x_resident="xr" in f[3:]))
     return out
 
 

@@ -405,6 +405,8 @@ def test_config_validation():
         GmmConfig(x_split="gather")
     with pytest.raises(ValueError, match="n_per_program"):
         GmmConfig(n_per_program=0)
+    with pytest.raises(ValueError, match="n_per_program > 1"):
+        GmmConfig(x_resident=True)
     assert GmmConfig(16, 128, 128, n_per_program=4, transpose_small=True).name() == \
         "bm16/None_bn128_bk128_w4_s3_np4_tsmall"
     assert dequant_variant("split_asm_sub") == (True, "asm_sub")
@@ -612,7 +614,8 @@ def test_paired_errors():
 def test_cuda_decode_takes_k_blocks_of_128_only_in_the_flattened_loop():
     """split_asm_t at K blocks of 128 raced on the H200 in the plain K loop (results_moe.md runs
     8-9): K blocks of 256 where 256 divides K; otherwise (384, a TP8 rank's down projection)
-    128 in the loop over 4 column blocks a program, which never raced. Both layouts."""
+    128 in a loop over column blocks (7 a program with x resident for K <= 512, 4 in the
+    flattened loop beyond), which never raced. Both layouts."""
     from kernels_pallas.moe import gmm
     for layout in ("k3", "paired"):
         for k in (3072, 3584):
@@ -620,8 +623,10 @@ def test_cuda_decode_takes_k_blocks_of_128_only_in_the_flattened_loop():
             assert cfg.dequant == "split_asm_t" and cfg.block_k == 256, (layout, k, cfg)
             assert cfg.n_per_program == 1
         cfg = gmm.default_config(512 * 16, 896, 384, 3584, True, platform="cuda", layout=layout)
-        assert (cfg.dequant, cfg.block_k, cfg.n_per_program, cfg.num_stages) == \
-            ("split_asm_t", 128, 4, 3), (layout, cfg)
+        assert (cfg.dequant, cfg.block_k, cfg.n_per_program, cfg.num_stages, cfg.x_resident) \
+            == ("split_asm_t", 128, 7, 3, True), (layout, cfg)
+        cfg = gmm.default_config(512 * 16, 896, 640, 3584, True, platform="cuda", layout=layout)
+        assert (cfg.block_k, cfg.n_per_program, cfg.x_resident) == (128, 4, False), (layout, cfg)
 
 
 # ---- x split by the caller (SplitX) ----

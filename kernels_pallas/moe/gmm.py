@@ -17,6 +17,11 @@ so prefill does not pay a full block_m of padding per expert.
 With `n_per_program` > 1 a program takes that many column blocks in one flattened (column block,
 K block) loop: one pipeline fill per program instead of per block, which is what a short K needs
 (a TP8 rank's down projection, K 384: 36% -> 65% of copy on the H200, results_moe.md run 9).
+With `x_resident` as well, the row tile's x is loaded once (all K blocks, before the loop) and the
+loop walks the column blocks with the K blocks unrolled inside: a column block no longer reloads
+x, and the loop's per-step bookkeeping is paid once per column block (offline sm_90: 300 instead of
+408 instructions a warp per K block; on the H200 the TP8 down slice's kernel 71 -> 73% of copy,
+results_moe.md run 11). The default for K of at most 4 blocks.
 
 MXFP4 in the kernel: every dequantisation variant (`GmmConfig.dequant`) produces the exact weight
 times 2^-14 in the activation dtype; the 2^14 is applied once to the fp32 accumulator.
@@ -105,6 +110,7 @@ from . import mxfp4, paired
 from .tiles import tile_plan
 from .reference import MXFP4Weight, glu, is_mxfp4, moe_gmm_glu_reference, moe_gmm_reference
 
+_X_RESIDENT_MAX_K_BLOCKS = 4  # x_resident by default up to this many K blocks (16 KiB of x tiles)
 _F16_SHIFT = 2.0 ** 14  # every dequant variant yields value * 2^(s-127) * 2^-14
 _BF16_SCALE_BIAS = 125 - 14  # scale byte s -> bf16 exponent field of 2^(s-16)
 _BF16_MAX_SCALE = 254 - _BF16_SCALE_BIAS  # 143: the largest scale byte the bf16 path keeps exact
@@ -168,6 +174,9 @@ class GmmConfig:
             raise ValueError(f"x_split={self.x_split!r} is not one of {X_SPLITS}")
         if self.n_per_program < 1:
             raise ValueError(f"n_per_program must be >= 1, got {self.n_per_program}")
+        if self.x_resident and self.n_per_program == 1:
+            raise ValueError("x_resident keeps x over several column blocks a program: set "
+                             "n_per_program > 1 with it")
 
     def name(self) -> str:
         """Short label: bm/small, bn, bk, warps, stages (+ MXFP4 dequant options when not default)."""
@@ -260,7 +269,7 @@ def _default_config(m, g, k, n, quant, glu_, platform, x_dtype, layout) -> GmmCo
         # (its "split_asm_t" form compiles to 255 registers offline and was not timed).
         asm_variant = "split_asm_sub" if glu_ and layout != "paired" else "split_asm_t"
         bk = _fit_k(256 if on_cuda else 128, k)
-        stages, n_per = 4, 1
+        stages, n_per, x_res = 4, 1, False
         if asm and asm_variant == "split_asm_t" and bk < 256:
             # "split_asm_t" with K blocks of 128 in the plain K loop gave different outputs from
             # call to call on the H200 in some configs of both layouts (results_moe.md runs 8-9:
@@ -271,8 +280,15 @@ def _default_config(m, g, k, n, quant, glu_, platform, x_dtype, layout) -> GmmCo
             # (paired; 0.163 ms at 64 tokens), where one column block per program at bk 256
             # (the fallback until run 9) ran at 36% and bk 128 s4 at 58-60%.
             bk, stages, n_per = 128, 3, 4
+            if pl.cdiv(k, 128) <= _X_RESIDENT_MAX_K_BLOCKS:
+                # x's K blocks once a program, 7 column blocks in the loop: at the TP8 down slice
+                # 142.7 / 210.7 us kernel (64 / 512 tokens) against 147.3 / 218.8 for the
+                # flattened loop over 4 (results_moe.md run 11; 7 of 2 / 4 / 7 / 14 the best at
+                # 64 tokens, 14 0.7% faster at 512; 2 and 4 stages slower)
+                n_per, x_res = 7, True
         return GmmConfig(block_m=16, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
-                         dequant=asm_variant if asm else "split", n_per_program=n_per)
+                         dequant=asm_variant if asm else "split", n_per_program=n_per,
+                         x_resident=x_res)
     if rows_per_group < 96:
         return GmmConfig(block_m=64, block_n=bn, block_k=_fit_k(64, k), block_m_small=16,
                          num_warps=4, num_stages=4)
