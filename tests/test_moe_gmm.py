@@ -614,8 +614,8 @@ def test_paired_errors():
 def test_cuda_decode_takes_k_blocks_of_128_only_in_the_flattened_loop():
     """split_asm_t at K blocks of 128 raced on the H200 in the plain K loop (results_moe.md runs
     8-9): K blocks of 256 where 256 divides K; otherwise (384, a TP8 rank's down projection)
-    128 in a loop over column blocks (7 a program with x resident for K <= 512, 4 in the
-    flattened loop beyond), which never raced. Both layouts."""
+    128 in a loop over column blocks (paired: 7 a program with x resident for K <= 512; 4 in
+    the flattened loop otherwise), which never raced. Both layouts."""
     from kernels_pallas.moe import gmm
     for layout in ("k3", "paired"):
         for k in (3072, 3584):
@@ -624,7 +624,8 @@ def test_cuda_decode_takes_k_blocks_of_128_only_in_the_flattened_loop():
             assert cfg.n_per_program == 1
         cfg = gmm.default_config(512 * 16, 896, 384, 3584, True, platform="cuda", layout=layout)
         assert (cfg.dequant, cfg.block_k, cfg.n_per_program, cfg.num_stages, cfg.x_resident) \
-            == ("split_asm_t", 128, 7, 3, True), (layout, cfg)
+            == (("split_asm_t", 128, 7, 3, True) if layout == "paired"
+                else ("split_asm_t", 128, 4, 3, False)), (layout, cfg)
         cfg = gmm.default_config(512 * 16, 896, 640, 3584, True, platform="cuda", layout=layout)
         assert (cfg.block_k, cfg.n_per_program, cfg.x_resident) == (128, 4, False), (layout, cfg)
 

@@ -280,11 +280,12 @@ def _default_config(m, g, k, n, quant, glu_, platform, x_dtype, layout) -> GmmCo
             # (paired; 0.163 ms at 64 tokens), where one column block per program at bk 256
             # (the fallback until run 9) ran at 36% and bk 128 s4 at 58-60%.
             bk, stages, n_per = 128, 3, 4
-            if pl.cdiv(k, 128) <= _X_RESIDENT_MAX_K_BLOCKS:
+            if layout == "paired" and pl.cdiv(k, 128) <= _X_RESIDENT_MAX_K_BLOCKS:
                 # x's K blocks once a program, 7 column blocks in the loop: at the TP8 down slice
                 # 142.7 / 210.7 us kernel (64 / 512 tokens) against 147.3 / 218.8 for the
                 # flattened loop over 4 (results_moe.md run 11; 7 of 2 / 4 / 7 / 14 the best at
-                # 64 tokens, 14 0.7% faster at 512; 2 and 4 stages slower)
+                # 64 tokens, 14 0.7% faster at 512; 2 and 4 stages slower). In the K3 layout
+                # (longer nibble PTX) the same form was 8-9% slower than the flattened loop.
                 n_per, x_res = 7, True
         return GmmConfig(block_m=16, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
                          dequant=asm_variant if asm else "split", n_per_program=n_per,
