@@ -79,6 +79,15 @@ CASES += [
      GmmConfig(32, 16, 64, block_m_small=16, transpose_small=True)),
     (50, 64, 48, 4, "empty_and_short", "fp32", jnp.float32,
      GmmConfig(64, 32, 32, block_m_small=16, transpose_small=True, n_per_program=2)),
+    # fused tails (dense): a group's last tile up to block_m + block_m_small rows, in one
+    # program as two products on one weight tile (transposed tail or not), ragged K and N,
+    # zero-group tiles, one group taking every row
+    (150, 96, 40, 4, "random", "bf16", jnp.bfloat16,
+     GmmConfig(32, 16, 64, block_m_small=16, transpose_small=True, fuse_tail=True)),
+    (140, 64, 48, 3, "empty_and_short", "fp32", jnp.float32,
+     GmmConfig(32, 32, 32, block_m_small=16, fuse_tail=True)),
+    (45, 64, 32, 3, "one_takes_all", "bf16", jnp.bfloat16,
+     GmmConfig(32, 32, 32, block_m_small=16, transpose_small=True, fuse_tail=True)),
     # x resident: x's K blocks loaded once a program, the K blocks unrolled in the column-block
     # loop (ragged K and N, zero-group tiles, the last program's blocks partly / wholly past N)
     (61, 96, 40, 7, "empty_and_short", "mxfp4", jnp.bfloat16,
@@ -101,6 +110,8 @@ def _case_id(c):
         tail += "-tsmall"
     if cfg is not None and cfg.x_resident:
         tail += "-xres"
+    if cfg is not None and cfg.fuse_tail:
+        tail += "-ftail"
     return f"M{c[0]}K{c[1]}N{c[2]}G{c[3]}-{c[4]}-{c[5]}-{jnp.dtype(c[6]).name}" + tail
 
 
@@ -151,24 +162,45 @@ def test_moe_gmm_glu_matches_reference(activation, wtype, dequant, n_per):
     assert _rel(yu, y) < 1e-2 and np.all(np.asarray(yu[total:], np.float32) == 0.0)
 
 
-def test_tile_metadata_covers_rows_once():
+def test_moe_gmm_glu_fused_tail():
+    """The fused gate/up with fused tails: four accumulators (two per row block) == reference."""
+    m, k, n, g = 150, 64, 32, 4
+    rng = np.random.default_rng(9)
+    gs = jnp.asarray(_groups(rng, m, g, "empty_and_short"))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w1, w3 = _weights(rng, g, k, n, "bf16"), _weights(rng, g, k, n, "bf16")
+    cfg = GmmConfig(32, 32, 32, block_m_small=16, transpose_small=True, fuse_tail=True)
+    y = moe_gmm_glu(x, w1, w3, gs, activation="situ", backend="interpret", config=cfg, fuse=True)
+    ref = moe_gmm_glu(x, w1, w3, gs, activation="situ", backend="reference")
+    assert _rel(y, ref) < 1e-2
+    with pytest.raises(ValueError, match="fuse_tail needs"):
+        GmmConfig(32, 32, 32, fuse_tail=True)
+
+
+@pytest.mark.parametrize("tail", [0, 8])
+def test_tile_metadata_covers_rows_once(tail):
+    """Every row in exactly one tile of its group; tiles within block_m rows (with `tail`: a
+    group's last tile within block_m + tail, the zero group's within block_m), and a group of
+    block_m + tail rows or fewer one tile."""
     rng = np.random.default_rng(3)
-    for m, g, bm in [(100, 7, 16), (33, 4, 32), (16, 3, 16), (5, 9, 16)]:
+    for m, g, bm in [(100, 7, 16), (33, 4, 32), (16, 3, 16), (5, 9, 16), (90, 3, 16)]:
         gs = _groups(rng, m, g, "empty_and_short")
-        meta = np.asarray(moe_gmm_tile_metadata(jnp.asarray(gs), m, bm))
+        meta = np.asarray(moe_gmm_tile_metadata(jnp.asarray(gs), m, bm, tail))
         assert meta.shape == (3, -(-m // bm) + g)
         cover = np.zeros(m, np.int32)
         owner = np.repeat(np.arange(g), gs)
         for grp, s, e in meta.T:
             if grp < 0:
                 continue
-            assert 0 < e - s <= bm
+            assert 0 < e - s <= (bm + tail if grp < g else bm)
             cover[s:e] += 1
             if grp < g:
                 assert np.all(owner[s:e] == grp)
             else:
                 assert s >= gs.sum()
         assert np.all(cover == 1)
+        per_group = np.bincount(meta[0][(meta[0] >= 0) & (meta[0] < g)], minlength=g)
+        assert np.all(per_group[(gs > 0) & (gs <= bm + tail)] == 1)
 
 
 def test_tile_plan_kernel_equals_tile_metadata():
@@ -184,8 +216,10 @@ def test_tile_plan_kernel_equals_tile_metadata():
                 gs[:] = 0
                 gs[rng.integers(g)] = m
             gs = jnp.asarray(gs, jnp.int32)
-            np.testing.assert_array_equal(np.asarray(tile_plan(gs, m, bm, interpret=True)),
-                                          np.asarray(moe_gmm_tile_metadata(gs, m, bm)))
+            for tail in (0, bm // 4):
+                np.testing.assert_array_equal(
+                    np.asarray(tile_plan(gs, m, bm, interpret=True, tail=tail)),
+                    np.asarray(moe_gmm_tile_metadata(gs, m, bm, tail)))
 
 
 def test_mxfp4_unpack_hand_built_bytes():

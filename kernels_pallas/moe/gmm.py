@@ -107,7 +107,7 @@ from jax.experimental import pallas as pl
 
 from .._backend import kernel_platform, resolve_backend, triton_params
 from . import mxfp4, paired
-from .tiles import tile_plan
+from .tiles import group_tiles, tile_plan
 from .reference import MXFP4Weight, glu, is_mxfp4, moe_gmm_glu_reference, moe_gmm_reference
 
 _X_RESIDENT_MAX_K_BLOCKS = 4  # x_resident by default up to this many K blocks (16 KiB of x tiles)
@@ -167,6 +167,11 @@ class GmmConfig:
     # in shared memory / registers for the whole program). A row tile's x is otherwise reloaded
     # for every column block.
     x_resident: bool = False
+    # Dense weights: a group's last row tile also takes up to block_m_small rows past block_m
+    # (`tiles.group_tiles`), computed in one program as a block_m product and a block_m_small
+    # one (transposed when transpose_small) on the same weight tile of each K step: the group's
+    # weights are streamed once instead of once more for its short tail tile.
+    fuse_tail: bool = False
 
     def __post_init__(self):
         dequant_variant(self.dequant)
@@ -174,6 +179,10 @@ class GmmConfig:
             raise ValueError(f"x_split={self.x_split!r} is not one of {X_SPLITS}")
         if self.n_per_program < 1:
             raise ValueError(f"n_per_program must be >= 1, got {self.n_per_program}")
+        if self.fuse_tail and not (self.block_m_small and self.block_m_small < self.block_m
+                                   and self.n_per_program == 1):
+            raise ValueError("fuse_tail needs block_m_small < block_m (the tail's row block) and "
+                             f"n_per_program 1 (got {self})")
         if self.x_resident and self.n_per_program == 1:
             raise ValueError("x_resident keeps x over several column blocks a program: set "
                              "n_per_program > 1 with it")
@@ -184,7 +193,8 @@ class GmmConfig:
              f"_w{self.num_warps}_s{self.num_stages}"
              + (f"_np{self.n_per_program}" if self.n_per_program > 1 else "")
              + ("_tsmall" if self.transpose_small else "")
-             + ("_xres" if self.x_resident else ""))
+             + ("_xres" if self.x_resident else "")
+             + ("_ftail" if self.fuse_tail else ""))
         if self.dequant != "interleave":
             s += f"_{self.dequant}"
             if self.x_split != "pre" and self.dequant.startswith("split"):
@@ -317,8 +327,10 @@ def _inclusive_cumsum(v):
     return jnp.sum(jnp.where(tri, v[..., None, :], 0), axis=-1)
 
 
-def tile_metadata(group_sizes, m: int, block_m: int):
+def tile_metadata(group_sizes, m: int, block_m: int, tail: int = 0):
     """[3, T] int32: (group, row start, row end) of each row tile; T = cdiv(M, block_m) + G.
+    tail > 0: a group's last tile holds up to block_m + tail rows (`group_tiles`; the zero
+    group's tiles stay within block_m).
 
     group == G marks a tile of the rows past sum(group_sizes) (written as zeros); group == -1 marks
     an unused slot. The definition (and the reference of `tiles.tile_plan`, which the kernel path
@@ -329,13 +341,13 @@ def tile_metadata(group_sizes, m: int, block_m: int):
     g = group_sizes.shape[0]
     gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     n_tiles = pl.cdiv(m, block_m) + g
-    cum = _inclusive_cumsum(jnp.stack([gs, (gs + block_m - 1) // block_m]))  # [2, G]
+    cum = _inclusive_cumsum(jnp.stack([gs, group_tiles(gs, block_m, tail)]))  # [2, G]
     row_end = jnp.minimum(cum[0], m)
     row_start = jnp.minimum(cum[0] - gs, m)
     zero_rows = m - (row_end[-1] if g else jnp.int32(0))  # the zero group after the last
     tile_end = jnp.concatenate([cum[1], (cum[1, -1:] if g else jnp.zeros((1,), jnp.int32))
                                 + (zero_rows + block_m - 1) // block_m])  # [G + 1]
-    tiles_x = jnp.concatenate([(gs + block_m - 1) // block_m,
+    tiles_x = jnp.concatenate([group_tiles(gs, block_m, tail),
                                ((zero_rows + block_m - 1) // block_m)[None]])
     starts_x = jnp.concatenate([row_start, (m - zero_rows)[None]])
     ends_x = jnp.concatenate([row_end, jnp.full((1,), m, jnp.int32)])
@@ -345,6 +357,8 @@ def tile_metadata(group_sizes, m: int, block_m: int):
     first = tile_end[gc] - tiles_x[gc]
     start = starts_x[gc] + (t - first) * block_m
     end = jnp.minimum(start + block_m, ends_x[gc])
+    if tail:  # a group's last tile runs to the group's end (<= block_m + tail rows)
+        end = jnp.where(t == tile_end[gc] - 1, ends_x[gc], end)
     valid = (grp <= g) & (end > start)
     return jnp.stack([jnp.where(valid, gc, -1), jnp.where(valid, start, 0),
                       jnp.where(valid, end, 0)]).astype(jnp.int32)
@@ -577,12 +591,14 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
     def col_ok(n0):
         return n0 + jnp.arange(bn, dtype=jnp.int32) < n
 
-    def store(bm, val, n0):
-        rows = r0 + jnp.arange(bm, dtype=jnp.int32)
+    def store(bm, val, n0, first=None):
+        first = r0 if first is None else first  # the block's first row
+        rows = first + jnp.arange(bm, dtype=jnp.int32)
         mask = (rows < r1)[:, None]
         if n_ragged:
             mask = mask & col_ok(n0)[None, :]
-        plgpu.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], val.astype(o_ref.dtype), mask=mask)
+        plgpu.store(o_ref.at[pl.ds(first, bm), pl.ds(n0, bn)], val.astype(o_ref.dtype),
+                    mask=mask)
 
     # "split_asm_t": the transposed product w [bn, kk] . x [bm, kk]^T -> [bn, bm] (weights as the
     # first operand: on the H200 a wgmma with the dequantised weights in registers and x read from
@@ -711,8 +727,51 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
         else:
             finish(jax.lax.fori_loop(0, n_k, lambda kb, a: step(fetch(kb, nb0), a), accs), nb0)
 
+    def compute_fused_tail():
+        """Dense weights, a tile of block_m + up to block_m_small rows: each K step's weight tile
+        feeds the block_m rows' product and the tail's (w^T . x^T when transpose_small)."""
+        bm, bt = cfg.block_m, cfg.block_m_small
+        rt0 = r0 + bm
+
+        def load_rows(first, rows_n, k0):
+            rows = first + jnp.arange(rows_n, dtype=jnp.int32)
+            mask = (rows < r1)[:, None]
+            if k_ragged:
+                mask = mask & (k0 + jnp.arange(bk) < k)[None, :]
+            return plgpu.load(x_ref.at[pl.ds(first, rows_n), pl.ds(k0, bk)], mask=mask,
+                              other=0).astype(cdt)
+
+        def body(kb, accs):
+            k0 = pl.multiple_of(kb * bk, bk)
+            m_ = None
+            if edge:
+                m_ = (k0 + jnp.arange(bk) < k)[:, None] & col_ok(nb0)[None, :]
+            xm, xt = load_rows(r0, bm, k0), load_rows(rt0, bt, k0)
+            main, tail = list(accs[:n_w]), list(accs[n_w:])
+            for i, w_ref in enumerate(w_refs):
+                wb = _load(w_ref.at[grp, pl.ds(k0, bk), pl.ds(nb0, bn)], m_).astype(cdt)
+                main[i] = main[i] + plgpu.dot(xm, wb, precision=precision)
+                if cfg.transpose_small:
+                    tail[i] = tail[i] + plgpu.dot(wb, xt, trans_a=True, trans_b=True,
+                                                  precision=precision)
+                else:
+                    tail[i] = tail[i] + plgpu.dot(xt, wb, precision=precision)
+            return (*main, *tail)
+
+        tail_shape = (bn, bt) if cfg.transpose_small else (bt, bn)
+        accs = tuple([jnp.zeros((bm, bn), jnp.float32)] * n_w
+                     + [jnp.zeros(tail_shape, jnp.float32)] * n_w)
+        accs = jax.lax.fori_loop(0, n_k, body, accs)
+        store(bm, epilogue(*accs[:n_w]), nb0)
+        val = epilogue(*accs[n_w:])
+        store(bt, val.T if cfg.transpose_small else val, nb0, first=rt0)
+
     is_zero = grp == g_count
     is_work = (grp >= 0) & (grp < g_count) & (r1 > r0)
+    if cfg.fuse_tail:  # tiles past block_m rows: the fused pair; the rest as below
+        fused = (r1 - r0) > cfg.block_m
+        pl.when(is_work & fused)(compute_fused_tail)
+        is_work = is_work & jnp.logical_not(fused)
 
     @pl.when(is_zero & (r1 > r0))
     def _():
@@ -871,7 +930,10 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
         x_in = x.data
     else:
         x_in = x.dense() if isinstance(x, SplitX) else x
-    meta = tile_plan(group_sizes, m, cfg.block_m, interpret=interpret)  # one launch
+    if cfg.fuse_tail and quant:
+        raise ValueError("fuse_tail is for dense weights (MXFP4 tiles keep block_m rows)")
+    meta = tile_plan(group_sizes, m, cfg.block_m, interpret=interpret,
+                     tail=cfg.block_m_small if cfg.fuse_tail else 0)  # one launch
     n_tiles = meta.shape[1]
     flat_w = []
     for w in ws:

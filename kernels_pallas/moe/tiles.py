@@ -19,19 +19,29 @@ from jax.experimental import pallas as pl
 
 from .._backend import triton_params
 
+
+def group_tiles(gs, block_m: int, tail: int = 0):
+    """Row tiles of groups of gs rows: cdiv(gs, block_m), or with `tail` > 0 the group's last
+    tile also takes up to `tail` rows past block_m (a group of block_m + tail rows or fewer is
+    one tile), never more tiles than cdiv(gs, block_m)."""
+    if not tail:
+        return (gs + block_m - 1) // block_m
+    return jnp.where(gs > 0, (jnp.maximum(gs - tail, 1) + block_m - 1) // block_m, 0)
+
+
 _CHUNK = 4  # tiles per program ([4, G] compares and masked sums): the fastest of 1-32 on the H200
 _WARPS = 4
 
 
 def _tiles_kernel(gs_ref, o_ref, *, g: int, m: int, block_m: int, gp: int, n_tiles: int,
-                  chunk: int):
+                  chunk: int, tail: int):
     from jax.experimental.pallas import triton as plgpu
 
     i = jnp.arange(gp, dtype=jnp.int32)  # group index; index g is the zero group
     gs = jnp.maximum(plgpu.load(gs_ref.at[pl.ds(0, gp)], mask=i < g, other=0), 0)
     cum = jnp.cumsum(gs)
     zero_rows = m - jnp.minimum(jnp.sum(gs), m)  # the rows past sum(group_sizes)
-    tiles = jnp.where(i < g, (gs + block_m - 1) // block_m,
+    tiles = jnp.where(i < g, group_tiles(gs, block_m, tail),
                       jnp.where(i == g, (zero_rows + block_m - 1) // block_m, 0))
     tile_end = jnp.cumsum(tiles)
     starts = jnp.where(i == g, m - zero_rows, jnp.minimum(cum - gs, m))
@@ -47,6 +57,8 @@ def _tiles_kernel(gs_ref, o_ref, *, g: int, m: int, block_m: int, gp: int, n_til
 
     start = pick(starts) + (t - pick(tile_end - tiles)) * block_m
     end = jnp.minimum(start + block_m, pick(ends))
+    if tail:  # a group's last tile runs to the group's end (gmm.group_tiles)
+        end = jnp.where(t == pick(tile_end) - 1, pick(ends), end)
     valid = (grp <= g) & (end > start)
     in_range = t < n_tiles
     for row, val in enumerate((jnp.where(valid, gc, -1), jnp.where(valid, start, 0),
@@ -55,17 +67,18 @@ def _tiles_kernel(gs_ref, o_ref, *, g: int, m: int, block_m: int, gp: int, n_til
                     mask=in_range)
 
 
-@functools.partial(jax.jit, static_argnames=("m", "block_m", "interpret", "chunk", "warps"))
+@functools.partial(jax.jit, static_argnames=("m", "block_m", "interpret", "chunk", "warps",
+                                             "tail"))
 def tile_plan(group_sizes, m: int, block_m: int, interpret: bool = False, chunk: int = 0,
-              warps: int = 0):
-    """`gmm.tile_metadata(group_sizes, m, block_m)` in one Pallas launch (equal, tested).
+              warps: int = 0, tail: int = 0):
+    """`gmm.tile_metadata(group_sizes, m, block_m, tail)` in one Pallas launch (equal, tested).
     chunk / warps: tiles per program and warps (0: the defaults)."""
     chunk, warps = chunk or _CHUNK, warps or _WARPS
     g = group_sizes.shape[0]
     n_tiles = pl.cdiv(m, block_m) + g
     gp = max(16, pl.next_power_of_2(g + 1))
     kernel = functools.partial(_tiles_kernel, g=g, m=m, block_m=block_m, gp=gp, n_tiles=n_tiles,
-                               chunk=chunk)
+                               chunk=chunk, tail=tail)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((3, n_tiles), jnp.int32),
