@@ -9,6 +9,7 @@ from . import _xla_workarounds
 
 _xla_workarounds.apply()  # before JAX starts its CPU client
 
+from .calibration import calibrate_mla_cache_scale
 from .config import Config, ConfigError, PRESETS
 from .generation import generate
 from .model import Cache, KimiLM, Model, init_cache
@@ -18,6 +19,6 @@ from .runtime import decode_step, extend, forward, prefill
 from .sampling import sample
 from .tokenizer import ByteTokenizer, KimiTokenizer, Tokenizer, default_tokenizer, load_tokenizer
 
-__all__ = ["Config", "ConfigError", "PRESETS", "generate", "Cache", "KimiLM", "Model", "init_cache",
+__all__ = ["calibrate_mla_cache_scale", "Config", "ConfigError", "PRESETS", "generate", "Cache", "KimiLM", "Model", "init_cache",
            "load", "save", "abstract", "init", "param_count", "decode_step", "extend", "forward", "prefill", "sample",
            "ByteTokenizer", "KimiTokenizer", "Tokenizer", "default_tokenizer", "load_tokenizer"]

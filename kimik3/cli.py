@@ -24,10 +24,15 @@ def _load(args):
 
 
 def _with_mla_cache(model, args):
-    """--mla-cache fp8: the MLA cache as e4m3 (the weights are unchanged)."""
+    """--mla-cache fp8 [--mla-cache-scale S]: the MLA cache as e4m3 (the weights are unchanged)."""
     if args.mla_cache == "auto":
+        if args.mla_cache_scale is not None:
+            raise ValueError("--mla-cache-scale is the fp8 cache's scale: give it with --mla-cache fp8")
         return model
-    return model.replace(cfg=model.cfg.replace(mla_cache_dtype=args.mla_cache))
+    fields = {"mla_cache_dtype": args.mla_cache}
+    if args.mla_cache_scale is not None:
+        fields["mla_cache_scale"] = args.mla_cache_scale
+    return model.replace(cfg=model.cfg.replace(**fields))
 
 
 def _batch(args) -> int:
@@ -119,6 +124,9 @@ def main(argv=None) -> int:
                    help="MLA cache storage: auto = the activation dtype; fp8 = e4m3 (per-tensor scale "
                         "Config.mla_cache_scale, 1.0 unless set), half of bf16's bytes, and the faster fp8 "
                         "path of the decode kernel")
+    g.add_argument("--mla-cache-scale", type=float, default=None,
+                   help="the fp8 cache's per-tensor scale (values are stored as e4m3(v / scale), "
+                        "clipped at 448); kimik3.calibrate_mla_cache_scale(model, prompts) measures one")
     b = sub.add_parser("batch", help="offline generation over a JSONL file (resumable)")
     b.add_argument("--model", default="tiny", help="a preset or a checkpoint directory")
     b.add_argument("--mxfp4-layout", choices=("k3", "paired"), default=None,
@@ -132,6 +140,8 @@ def main(argv=None) -> int:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--mla-cache", choices=("auto", "fp8"), default="auto",
                    help="MLA cache storage (see generate --help)")
+    b.add_argument("--mla-cache-scale", type=float, default=None,
+                   help="the fp8 cache's scale (see generate --help)")
     b.add_argument("--max-batch", type=int, default=8)
     b.add_argument("--max-seq-len", type=int, default=1024)
     b.add_argument("--page-size", type=int, default=16)

@@ -42,3 +42,10 @@ def test_mla_cache_flag(tiny_models, tmp_path, capsys):
     fp8 = tiny_models["tiny"].replace(cfg=tiny_models["tiny"].cfg.replace(mla_cache_dtype="fp8"))
     expect = kimik3.generate(fp8, ["Hi"], max_new_tokens=3)[0]
     assert f"tokens: {expect}" in capsys.readouterr().out
+    # --mla-cache-scale sets Config.mla_cache_scale; alone it is refused
+    assert main(args + ["--mla-cache", "fp8", "--mla-cache-scale", "0.25"]) == 0
+    fp8s = fp8.replace(cfg=fp8.cfg.replace(mla_cache_scale=0.25))
+    expect = kimik3.generate(fp8s, ["Hi"], max_new_tokens=3)[0]
+    assert f"tokens: {expect}" in capsys.readouterr().out
+    assert main(args + ["--mla-cache-scale", "0.25"]) == 2
+    assert "give it with --mla-cache fp8" in capsys.readouterr().err

@@ -111,3 +111,37 @@ def test_fp8_cache_config_and_memory():
     fp8 = sharding.memory_report(k3.replace(mla_cache_dtype="fp8"), tensor=8,
                                  tokens=142_000)["mla_cache"]
     assert bf16 == 2 * fp8
+
+
+def test_calibrated_cache_scale_keeps_large_latents():
+    """Latents 2000x larger (kv_a_layernorm x 2000, kv_b_proj / 2000: the same model): at the
+    default scale 1.0 the fp8 cache clips them at 448 and the logits go far off; the calibrated
+    scale (max|latent| / 448 x 2, a power of two) keeps them within 0.5% of the full cache."""
+    base = kimik3.init(kimik3.Config.preset("tiny"), seed=0)
+    c = 2000.0
+
+    def rescale(path, x):
+        s = jax.tree_util.keystr(path)
+        return x * c if "kv_a_layernorm" in s else x / c if "kv_b_proj" in s else x
+    model = base.replace(params=jax.tree_util.tree_map_with_path(rescale, base.params))
+    prompts = [[1, 5, 9, 33, 7], list(range(40, 70))]
+    amax = kimik3.calibration.mla_latent_amax(model, prompts)
+    assert amax > 448.0  # the rescale worked: the default scale would clip
+    scale = kimik3.calibrate_mla_cache_scale(model, prompts)
+    assert amax * 2 / 448.0 <= scale < amax * 4 / 448.0 and np.log2(scale) == round(np.log2(scale))
+
+    def logits(m):
+        last, cache = kimik3.prefill(m, prompts, max_seq_len=64)
+        step, _ = kimik3.decode_step(m, cache, jnp.array([3, 8], jnp.int32))
+        return np.concatenate([np.asarray(last), np.asarray(step)])
+    full = logits(model)
+    np.testing.assert_allclose(logits(base), full, rtol=1e-3, atol=1e-3)  # the same function
+    at_default = _rel(full, logits(_fp8(model)))
+    calibrated = _rel(full, logits(model.replace(cfg=model.cfg.replace(
+        mla_cache_dtype="fp8", mla_cache_scale=scale))))
+    assert calibrated < 5e-3 < at_default, (calibrated, at_default)
+    with pytest.raises(ValueError, match="headroom"):
+        kimik3.calibrate_mla_cache_scale(model, prompts, headroom=0.5)
+    with pytest.raises(ValueError, match="no MLA layer"):
+        linear_only = kimik3.Config.preset("tiny").replace(layer_types=("kda",) * 5)
+        kimik3.calibrate_mla_cache_scale(kimik3.init(linear_only, seed=0), prompts)

@@ -72,10 +72,13 @@ def words_to_fp8(words):
                                         jnp.float8_e4m3fn)
 
 
+E4M3_MAX = 448.0  # e4m3's largest finite value
+
+
 def quantize_words(x, scale: float):
-    """Values [..., 2n] -> fp8 words [..., n] holding e4m3(x / scale), saturated at +-448 (e4m3's
-    largest finite value; the cast would give NaN past it)."""
-    q = jnp.clip(x.astype(jnp.float32) / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    """Values [..., 2n] -> fp8 words [..., n] holding e4m3(x / scale), saturated at +-E4M3_MAX
+    (the cast would give NaN past it)."""
+    q = jnp.clip(x.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     return fp8_to_words(q)
 
 
