@@ -144,8 +144,10 @@ BF16_DECODE = {64: C(16, 256, 128, num_warps=8, num_stages=4),
 PREFILL_SWEEP = [
     C(128, 256, 64, block_m_small=32, num_warps=8, num_stages=3),  # best of 2026-11-29 (1.992 ms)
     C(128, 256, 64, block_m_small=32, num_warps=8, num_stages=4),  # deeper pipeline (192 KiB smem)
-    C(128, 256, 64, block_m_small=32, num_warps=8, num_stages=4,   # the default since run 9:
+    C(128, 256, 64, block_m_small=32, num_warps=8, num_stages=4,   # run 9's default:
       transpose_small=True),                                        # short tiles on wgmma
+    C(128, 256, 64, block_m_small=32, num_warps=8, num_stages=4,   # the default since run 11:
+      transpose_small=True, fuse_tail=True),                        # tails fused (1.12-1.21x torch)
     C(128, 128, 128, block_m_small=32, num_warps=8, num_stages=3),
     C(128, 128, 64, block_m_small=32, num_warps=4, num_stages=4),
     C(64, 256, 64, block_m_small=32, num_warps=4, num_stages=4),   # 3 tiles per 146-row expert
@@ -716,7 +718,7 @@ def ours_case(fn, args, y_ref, flop, wbytes, ceil, cfg_name, cpu, tol=1e-2):
 
 def _extra_configs(env: str):
     """[(name, GmmConfig field overrides)] from "name:block_n=64,...;..." in the environment."""
-    bools = {"transpose_small", "x_resident"}
+    bools = {"transpose_small", "x_resident", "fuse_tail"}
     return [(item.partition(":")[0], parse_overrides(item.partition(":")[2], bools))
             for item in filter(None, os.environ.get(env, "").split(";"))]
 

@@ -471,8 +471,8 @@ def test_default_config_by_platform():
     assert kernel_platform() == jax.devices()[0].platform == "cpu"   # the tests run on CPU
     assert not default_config(1024, G, K, N, True).dequant.startswith("split_asm")
     c = default_config(16 * 8192, G, K, N, False)
-    assert (c.block_m, c.block_m_small, c.block_n, c.block_k, c.num_warps, c.num_stages) == \
-        (128, 32, 256, 64, 8, 4)
+    assert (c.block_m, c.block_m_small, c.block_n, c.block_k, c.num_warps, c.num_stages,
+            c.transpose_small, c.fuse_tail) == (128, 32, 256, 64, 8, 4, True, True)
     assert default_config(16 * 8192, G, K, N, True).num_stages == 3        # MXFP4 prefill
     c = default_config(16 * 8192, G, K, N // 2, False, True)                     # fused GLU
     assert (c.block_m, c.block_n, c.num_warps, c.num_stages) == (128, 64, 8, 3)

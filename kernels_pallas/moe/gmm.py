@@ -308,9 +308,13 @@ def _default_config(m, g, k, n, quant, glu_, platform, x_dtype, layout) -> GmmCo
                          num_warps=8 if glu_ else 4, num_stages=3)
     # bf16 prefill: the short tiles as w^T . x^T (wgmma 64 x 32 instead of mma.sync): on the
     # H200 (results_moe.md run 9) 13.91 -> 13.65 ms on the whole gate+up at 8192 tokens (2%),
-    # a tie on the other shapes
+    # a tie on the other shapes. Tails of up to 32 rows fused into their group's last tile (one
+    # weight stream a group; run 11, 8192 tokens, torch._grouped_mm in the same call): TP8
+    # gate+up 1.799 -> 1.457 ms (0.91x -> 1.12x torch), whole gate+up 13.64 -> 11.45 (1.17x),
+    # TP8 down 1.191 -> 1.120 (1.13x), whole down 6.38 -> 5.40 (1.21x); 3 stages and untransposed
+    # tails slower.
     return GmmConfig(block_m=128, block_n=256, block_k=_fit_k(64, k), block_m_small=32,
-                     num_warps=8, num_stages=4, transpose_small=True)
+                     num_warps=8, num_stages=4, transpose_small=True, fuse_tail=True)
 
 
 def _fit_k(bk: int, k: int) -> int:
