@@ -830,9 +830,13 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
                 for lay, w_ in (("k3", wq), ("paired", wq_paired)):
                     if lay not in ctx["layouts"]:
                         continue
-                    cfg = dataclasses.replace(default_config(m, G, K, N, True, platform=plat,
-                                                             layout=lay), **kw)
                     kind = f"mxfp4_{name}" if lay == "k3" else f"mxfp4_paired_{name}"
+                    try:
+                        cfg = dataclasses.replace(default_config(m, G, K, N, True, platform=plat,
+                                                                 layout=lay), **kw)
+                    except ValueError as ex:  # e.g. fuse_tail on a decode config (no tail block)
+                        run.log(f"layer_gmm {sname} {t} {kind}: not applicable here ({ex})"[:300])
+                        continue
                     ours(t, kind, lambda a, b, g, cfg=cfg: moe_gmm(
                         a, b, g, backend=backend, config=cfg), (c["x"], w_, c["gs"]), cfg,
                         peers.get(t))
@@ -851,7 +855,11 @@ def layer_gmm_section(run, ctx, token_list, shapes, table):
                 ours(t, "bf16", lambda a, b, g: moe_gmm(a, b, g, backend=backend),
                      (c["x"], w_kn, c["gs"]), base, peers.get(t))
                 for name, kw in BF16_EXTRA:  # rows bf16_NAME: the default with fields replaced
-                    cfg_x = dataclasses.replace(base, **kw)
+                    try:
+                        cfg_x = dataclasses.replace(base, **kw)
+                    except ValueError as ex:
+                        run.log(f"layer_gmm {sname} {t} bf16_{name}: not applicable ({ex})"[:300])
+                        continue
                     ours(t, f"bf16_{name}", lambda a, b, g, c_=cfg_x: moe_gmm(
                         a, b, g, backend=backend, config=c_), (c["x"], w_kn, c["gs"]), cfg_x,
                         peers.get(t))

@@ -11,7 +11,7 @@ import pytest
 
 from ptx_emulator import emulate_ptx, prmt  # noqa: E402  (tests/ is on sys.path under pytest)
 from kernels_pallas import GmmConfig, MXFP4Weight, moe_gmm, moe_gmm_glu, moe_gmm_tile_metadata
-from kernels_pallas.moe import mxfp4
+from kernels_pallas.moe import mxfp4, pair_mxfp4
 from kernels_pallas.moe.gmm import (_BF16_MAX_SCALE, DEQUANT_VARIANTS, _asm_nibble, _asm_t,
                                     _dequant_split, _dequant_split_t, _dequant_tile, _perm_t,
                                     _perm_t_index, dequant_variant)
@@ -88,6 +88,10 @@ CASES += [
      GmmConfig(32, 32, 32, block_m_small=16, fuse_tail=True)),
     (45, 64, 32, 3, "one_takes_all", "bf16", jnp.bfloat16,
      GmmConfig(32, 32, 32, block_m_small=16, transpose_small=True, fuse_tail=True)),
+    (150, 96, 40, 4, "random", "mxfp4", jnp.bfloat16,
+     GmmConfig(32, 16, 64, block_m_small=16, dequant="split_asm_t", fuse_tail=True)),
+    (140, 128, 32, 3, "empty_and_short", "mxfp4", jnp.float32,
+     GmmConfig(32, 32, 64, block_m_small=16, dequant="split_asm_t", fuse_tail=True)),
     # x resident: x's K blocks loaded once a program, the K blocks unrolled in the column-block
     # loop (ragged K and N, zero-group tiles, the last program's blocks partly / wholly past N)
     (61, 96, 40, 7, "empty_and_short", "mxfp4", jnp.bfloat16,
@@ -175,6 +179,15 @@ def test_moe_gmm_glu_fused_tail():
     assert _rel(y, ref) < 1e-2
     with pytest.raises(ValueError, match="fuse_tail needs"):
         GmmConfig(32, 32, 32, fuse_tail=True)
+    # MXFP4: the paired layout's fused tails (two accumulators per row block), and the variants
+    # that cannot share one dequantised tile refused
+    wq1, wq3 = (pair_mxfp4(_weights(rng, g, k, n, "mxfp4")) for _ in range(2))
+    cfg = GmmConfig(32, 32, 32, block_m_small=16, dequant="split_asm_t", fuse_tail=True)
+    y = moe_gmm_glu(x, wq1, wq3, gs, activation="situ", backend="interpret", config=cfg, fuse=True)
+    assert _rel(y, moe_gmm_glu(x, wq1, wq3, gs, activation="situ", backend="reference")) < 1e-2
+    with pytest.raises(ValueError, match="fuse_tail with MXFP4"):
+        moe_gmm(x, _weights(rng, g, k, n, "mxfp4"), gs, backend="interpret",
+                config=GmmConfig(32, 32, 32, block_m_small=16, dequant="split", fuse_tail=True))
 
 
 @pytest.mark.parametrize("tail", [0, 8])

@@ -167,10 +167,11 @@ class GmmConfig:
     # in shared memory / registers for the whole program). A row tile's x is otherwise reloaded
     # for every column block.
     x_resident: bool = False
-    # Dense weights: a group's last row tile also takes up to block_m_small rows past block_m
+    # A group's last row tile also takes up to block_m_small rows past block_m
     # (`tiles.group_tiles`), computed in one program as a block_m product and a block_m_small
     # one (transposed when transpose_small) on the same weight tile of each K step: the group's
-    # weights are streamed once instead of once more for its short tail tile.
+    # weights are streamed (and MXFP4 ones dequantised, "split_asm_t" only) once instead of
+    # once more for its short tail tile.
     fuse_tail: bool = False
 
     def __post_init__(self):
@@ -732,26 +733,53 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
             finish(jax.lax.fori_loop(0, n_k, lambda kb, a: step(fetch(kb, nb0), a), accs), nb0)
 
     def compute_fused_tail():
-        """Dense weights, a tile of block_m + up to block_m_small rows: each K step's weight tile
-        feeds the block_m rows' product and the tail's (w^T . x^T when transpose_small)."""
+        """A tile of block_m + up to block_m_small rows: each K step's weight tile (dense, or
+        MXFP4 dequantised once in "split_asm_t") feeds the block_m rows' product and the tail's
+        (transposed, w^T . x^T, when transpose_small; always for "split_asm_t")."""
         bm, bt = cfg.block_m, cfg.block_m_small
         rt0 = r0 + bm
+        tail_tr = transposed or cfg.transpose_small
 
-        def load_rows(first, rows_n, k0):
+        def load_rows(first, rows_n, c0, width, part=None):
             rows = first + jnp.arange(rows_n, dtype=jnp.int32)
             mask = (rows < r1)[:, None]
+            if part is None:
+                ref, limit = x_ref.at[pl.ds(first, rows_n), pl.ds(c0, width)], k
+            else:  # a SplitX: [2, M, K'/2]
+                ref = x_ref.at[jnp.int32(part), pl.ds(first, rows_n), pl.ds(c0, width)]
+                limit = x_ref.shape[-1]
             if k_ragged:
-                mask = mask & (k0 + jnp.arange(bk) < k)[None, :]
-            return plgpu.load(x_ref.at[pl.ds(first, rows_n), pl.ds(k0, bk)], mask=mask,
-                              other=0).astype(cdt)
+                mask = mask & (c0 + jnp.arange(width, dtype=jnp.int32) < limit)[None, :]
+            return plgpu.load(ref, mask=mask, other=0).astype(cdt)
+
+        def wmask(n0, c0, width, limit):
+            if not edge:
+                return None
+            return col_ok(n0)[:, None] & (c0 + jnp.arange(width, dtype=jnp.int32) < limit)[None, :]
 
         def body(kb, accs):
+            main, tail = list(accs[:n_w]), list(accs[n_w:])
+            if quant:  # "split_asm_t": both products w . x^T on one dequantised tile
+                h0 = pl.multiple_of(kb * half, half)
+                xm = [load_rows(r0, bm, h0, half, p) for p in (0, 1)]
+                xt = [load_rows(rt0, bt, h0, half, p) for p in (0, 1)]
+                for i in range(n_w):
+                    p_ref, s_ref = w_refs[2 * i], w_refs[2 * i + 1]
+                    pb = _load(p_ref.at[grp, pl.ds(nb0, bn), pl.ds(h0, half)],
+                               wmask(nb0, h0, half, hk))
+                    sb = _load(s_ref.at[grp, pl.ds(nb0, bn), pl.ds(kb * ng, ng)],
+                               wmask(nb0, kb * ng, ng, k // mxfp4.GROUP))
+                    if layout == "paired" and not use_asm:
+                        pb = paired.decode(pb, jnp)  # the interpreter: back to K3 bytes
+                    lo, hi = _dequant_split_t(pb, sb, cdt, use_asm, layout)
+                    main[i] = main[i] + mm(xm[0], lo) + mm(xm[1], hi)
+                    tail[i] = tail[i] + mm(xt[0], lo) + mm(xt[1], hi)
+                return (*main, *tail)
             k0 = pl.multiple_of(kb * bk, bk)
             m_ = None
             if edge:
                 m_ = (k0 + jnp.arange(bk) < k)[:, None] & col_ok(nb0)[None, :]
-            xm, xt = load_rows(r0, bm, k0), load_rows(rt0, bt, k0)
-            main, tail = list(accs[:n_w]), list(accs[n_w:])
+            xm, xt = load_rows(r0, bm, k0, bk), load_rows(rt0, bt, k0, bk)
             for i, w_ref in enumerate(w_refs):
                 wb = _load(w_ref.at[grp, pl.ds(k0, bk), pl.ds(nb0, bn)], m_).astype(cdt)
                 main[i] = main[i] + plgpu.dot(xm, wb, precision=precision)
@@ -762,13 +790,17 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
                     tail[i] = tail[i] + plgpu.dot(xt, wb, precision=precision)
             return (*main, *tail)
 
-        tail_shape = (bn, bt) if cfg.transpose_small else (bt, bn)
-        accs = tuple([jnp.zeros((bm, bn), jnp.float32)] * n_w
+        main_shape = (bn, bm) if transposed else (bm, bn)
+        tail_shape = (bn, bt) if tail_tr else (bt, bn)
+        accs = tuple([jnp.zeros(main_shape, jnp.float32)] * n_w
                      + [jnp.zeros(tail_shape, jnp.float32)] * n_w)
         accs = jax.lax.fori_loop(0, n_k, body, accs)
-        store(bm, epilogue(*accs[:n_w]), nb0)
+        if quant:
+            accs = tuple(a * _F16_SHIFT for a in accs)
+        val = epilogue(*accs[:n_w])
+        store(bm, val.T if transposed else val, nb0)
         val = epilogue(*accs[n_w:])
-        store(bt, val.T if cfg.transpose_small else val, nb0, first=rt0)
+        store(bt, val.T if tail_tr else val, nb0, first=rt0)
 
     is_zero = grp == g_count
     is_work = (grp >= 0) & (grp < g_count) & (r1 > r0)
@@ -934,8 +966,9 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
         x_in = x.data
     else:
         x_in = x.dense() if isinstance(x, SplitX) else x
-    if cfg.fuse_tail and quant:
-        raise ValueError("fuse_tail is for dense weights (MXFP4 tiles keep block_m rows)")
+    if cfg.fuse_tail and quant and (cfg.dequant != "split_asm_t" or cfg.x_split != "pre"):
+        raise ValueError("fuse_tail with MXFP4 weights needs dequant='split_asm_t' with x_split="
+                         f"'pre' (one dequantised tile for both products), got {cfg.name()}")
     meta = tile_plan(group_sizes, m, cfg.block_m, interpret=interpret,
                      tail=cfg.block_m_small if cfg.fuse_tail else 0)  # one launch
     n_tiles = meta.shape[1]
