@@ -171,7 +171,9 @@ class GmmConfig:
     # (`tiles.group_tiles`), computed in one program as a block_m product and a block_m_small
     # one (transposed when transpose_small) on the same weight tile of each K step: the group's
     # weights are streamed (and MXFP4 ones dequantised, "split_asm_t" only) once instead of
-    # once more for its short tail tile.
+    # once more for its short tail tile. The bf16 prefill default; opt-in for MXFP4 (4 warps:
+    # 12-18% faster at 8192 tokens on the H200; 8 warps gave call-to-call differences and NaN
+    # on the TP8 shapes, results_moe.md run 11).
     fuse_tail: bool = False
 
     def __post_init__(self):
