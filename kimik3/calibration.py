@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -32,17 +31,10 @@ def mla_latent_amax(model, prompts, max_seq_len: int | None = None, backend=None
     full = model.replace(cfg=cfg.replace(mla_cache_dtype="auto"))
     lens = [len(p) for p in prompts]
     _, cache = prefill(full, prompts, max_seq_len or max(lens), backend=backend)
-    held = jnp.arange(cache.max_seq_len)[None, :] < cache.lengths[:, None]  # [B, S]
-    amax = 0.0
-    for entry in cache.layers:
-        if "latent" not in entry:
-            continue
-        lat = entry["latent"]
-        if cache.page_table is not None:  # pages -> rows in position order
-            lat = lat[cache.page_table].reshape(cache.batch, -1, lat.shape[-1])
-        amax = max(amax, float(jnp.max(jnp.where(held[..., None], jnp.abs(lat.astype(jnp.float32)),
-                                                 0.0))))
-    return amax
+    held = (jnp.arange(cache.max_seq_len)[None, :] < cache.lengths[:, None])[..., None]  # [B, S, 1]
+    # prefill's cache is contiguous [B, S, C] per MLA layer; positions past a row's length are 0
+    return float(max(jnp.max(jnp.where(held, jnp.abs(e["latent"].astype(jnp.float32)), 0.0))
+                     for e in cache.layers if "latent" in e))
 
 
 def calibrate_mla_cache_scale(model, prompts, headroom: float = 2.0, max_seq_len: int | None = None,
