@@ -90,6 +90,7 @@ CONFIGS = {
     "fp8w": {
         "default": {},
         "int": dict(fp8_upcast="words_int"),
+        "pairs": dict(fp8_upcast="words_pairs"),
         "w8": dict(num_warps=8),
         "s4": dict(num_stages=4),
         "bk32s4": dict(block_k=32, num_stages=4),
@@ -344,6 +345,18 @@ CHECKS = [   # (B, Tq, H, lengths, dtype, scale kind, cfg, page size)
     (2, 1, 16, [5000, 77], "fp8w", "token", dict(num_warps=8, fp8_upcast="words_int"), PAGE),
     (2, 4, 16, [3001, 64], "fp8w", "token", dict(num_stages=4), PAGE),
     (2, 1, 128, [5000, 77], "fp8w", "token", {}, PAGE),
+    (4, 1, 16, [8191, 1, 0, 3000], "fp8w", "token", dict(fp8_upcast="words_pairs"), PAGE),
+    (2, 4, 12, [3001, 64], "fp8w", "tensor", dict(fp8_upcast="words_pairs"), PAGE),
+    (3, 1, 12, [5000, 129, 63], "fp8w", "token", dict(fp8_upcast="words_pairs", load="token"),
+     16),
+    (2, 1, 128, [5000, 77], "fp8w", "token", dict(fp8_upcast="words_pairs"), PAGE),
+    (4, 1, 16, [8191, 1, 0, 3000], "fp8w", "token", dict(fp8_upcast="words_pairs", lat_chunks=2),
+     PAGE),
+    (2, 4, 12, [3001, 64], "fp8w", "tensor", dict(fp8_upcast="words_pairs", lat_chunks=4), PAGE),
+    (2, 1, 128, [5000, 77], "fp8w", "token", dict(fp8_upcast="words_pairs", lat_chunks=2), PAGE),
+    (4, 1, 16, [8191, 1, 0, 3000], "bf16", None, dict(lat_chunks=2), PAGE),
+    (2, 4, 12, [3001, 64], "bf16", None, dict(lat_chunks=4, load="token"), 16),
+    (2, 1, 128, [5000, 77], "bf16", None, dict(lat_chunks=2), PAGE),
 ]
 # MLA_BENCH_CHECKS="0,3": only these checks (indices into CHECKS)
 _CHECK_IDS = os.environ.get("MLA_BENCH_CHECKS")

@@ -20,7 +20,7 @@ def prmt(a, b, c):
 
 def emulate_ptx(asm, inputs, n_out):
     """Run the integer PTX subset of our inline asm on uint32 numpy arrays ($0.. outputs, then the
-    inputs): mov, and, or, xor, shl, shr, shf.r.wrap, add.u32, sub.u32, mul.lo.u32, min.u16x2,
+    inputs): mov (also {lo, hi} unpacking), and, or, xor, shl, shr, shf.r.wrap, add.u32, sub.u32, mul.lo.u32, min.u16x2,
     prmt, cvt.u16.u32 (keeps the low 16 bits) and cvt.rn.f16x2.e4m3x2 (the two e4m3 bytes of a
     16-bit value -> two fp16 bit patterns, byte 0 in the low half). Returns the outputs."""
     regs = {f"${n_out + i}": np.asarray(v, np.uint32) for i, v in enumerate(inputs)}
@@ -40,6 +40,10 @@ def emulate_ptx(asm, inputs, n_out):
             continue
         op, args = line.split(None, 1)
         d, *src = [t.strip() for t in args.split(",")]
+        if op == "mov.b32" and len(src) == 2:      # mov.b32 {lo, hi}, x: unpack two halves
+            v = val(src[1])
+            regs[d], regs[src[0]] = v & np.uint32(0xFFFF), v >> np.uint32(16)
+            continue
         x = [val(t) for t in src]
         u = [np.asarray(v, np.uint64) for v in x]
         if op == "mov.b32":

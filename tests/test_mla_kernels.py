@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from kernels_pallas.mla import (fp8_to_words, merge_partials, merge_stacked, mla_decode,
                                 mla_decode_reference, mla_prefill, mla_prefill_reference,
                                 words_to_fp8)
-from kernels_pallas.mla.decode import WORD_ASM, WORD_UPCASTS, _e4m3_word_halves
+from kernels_pallas.mla.decode import (PAIR_ASM, WORD_ASM, WORD_UPCASTS, _e4m3_word_halves,
+                                       _e4m3_word_pairs)
 from ptx_emulator import emulate_ptx  # noqa: E402  (tests/ is on sys.path under pytest)
 
 SCALE = 1.0 / np.sqrt(192.0)
@@ -134,36 +135,44 @@ def test_decode_page_and_token_loads(Tq, H):
     q = _q(rng, len(lengths), Tq, H)
     ro, rlse = mla_decode_reference(q, cache, pt, ln, scale=SCALE, out_dtype=jnp.float32)
     outs = {}
-    for load, splits in (("page", 1), ("page", 4), ("token", 4)):
+    for load, splits, chunks in (("page", 1, 0), ("page", 4, 0), ("token", 4, 0),
+                                 ("page", 4, 2), ("token", 1, 4)):
         o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", load=load,
-                            num_splits=splits, block_k=16, block_h=16, out_dtype=jnp.float32)
+                            num_splits=splits, block_k=16, block_h=16, out_dtype=jnp.float32,
+                            lat_chunks=chunks)
         _check(o, lse, ro, rlse, atol=2e-2)
-        outs[load, splits] = np.asarray(o)
-    np.testing.assert_allclose(outs["page", 4], outs["token", 4], atol=1e-5, rtol=0)
+        outs[load, splits, chunks] = np.asarray(o)
+    np.testing.assert_allclose(outs["page", 4, 0], outs["token", 4, 0], atol=1e-5, rtol=0)
+    # independent QK^T accumulators per latent chunk: the same sums in another order
+    np.testing.assert_allclose(outs["page", 4, 2], outs["page", 4, 0], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("upcast,per_token,Tq,dot", [
-    ("mixed", True, 4, "bf16"), ("tile", True, 1, "bf16"), ("operand", True, 4, "bf16"),
-    ("mixed", False, 1, "bf16"), ("mixed", True, 1, "fp16"), ("tile", False, 4, "fp16"),
-    ("operand", True, 1, "fp16")])
-def test_decode_fp8_upcasts(upcast, per_token, Tq, dot):
+@pytest.mark.parametrize("upcast,per_token,Tq,dot,chunks", [
+    ("mixed", True, 4, "bf16", 0), ("tile", True, 1, "bf16", 0), ("operand", True, 4, "bf16", 0),
+    ("mixed", False, 1, "bf16", 0), ("mixed", True, 1, "fp16", 0), ("tile", False, 4, "fp16", 0),
+    ("operand", True, 1, "fp16", 0), ("operand", True, 4, "fp16", 2), ("mixed", False, 1, "bf16", 4)])
+def test_decode_fp8_upcasts(upcast, per_token, Tq, dot, chunks):
     """Each fp8 upcast and dot dtype on the "page" load: lengths 0 / 1, page boundaries,
     ragged, 2 chunks."""
     _check_fp8(np.random.default_rng(30 + Tq + per_token), [0, 1, 16, 17, 100, 530], 16, 34,
-               per_token, Tq, 16, num_splits=1, block_k=16, fp8_upcast=upcast, fp8_dot=dot)
+               per_token, Tq, 16, num_splits=1, block_k=16, fp8_upcast=upcast, fp8_dot=dot,
+               lat_chunks=chunks)
 
 
-@pytest.mark.parametrize("upcast,per_token,Tq,H,load", [
-    ("words", True, 1, 16, "page"), ("words", False, 4, 16, "page"),
-    ("words", True, 4, 12, "token"), ("words_int", True, 1, 16, "page"),
-    ("words_int", False, 4, 12, "token")])
-def test_decode_fp8_words(upcast, per_token, Tq, H, load):
+@pytest.mark.parametrize("upcast,per_token,Tq,H,load,chunks", [
+    ("words", True, 1, 16, "page", 0), ("words", False, 4, 16, "page", 0),
+    ("words", True, 4, 12, "token", 0), ("words_int", True, 1, 16, "page", 0),
+    ("words_int", False, 4, 12, "token", 0), ("words_pairs", True, 1, 16, "page", 0),
+    ("words_pairs", False, 4, 12, "token", 0), ("words_pairs", True, 1, 16, "page", 2),
+    ("words_pairs", False, 4, 12, "page", 4), ("words", True, 1, 12, "token", 2)])
+def test_decode_fp8_words(upcast, per_token, Tq, H, load, chunks):
     """The fp8 cache in the words form: lengths 0 / 1 / page boundaries / ragged, 2 chunks of
-    page ids, one split and several, both conversions, both loads, 12 and 16 heads."""
+    page ids, one split and several, the conversions, both loads, 12 and 16 heads (16 and 64
+    rows), the latent in 1 / 2 / 4 column chunks of independent QK^T accumulators."""
     for splits in (1, 3):
         _check_fp8(np.random.default_rng(50 + Tq + per_token + splits), [0, 1, 16, 17, 100, 530],
                    16, 34, per_token, Tq, H, num_splits=splits, block_k=16, load=load,
-                   fp8_upcast=upcast)
+                   fp8_upcast=upcast, lat_chunks=chunks)
 
 
 def test_fp8_words_form():
@@ -215,6 +224,20 @@ def test_word_conversions_every_word():
                 words = ((regs >> np.uint32(16 * k)) & np.uint32(0xFFFF)).astype(np.int64)
                 np.testing.assert_array_equal((out >> np.uint32(16 * k)) & np.uint32(0xFFFF),
                                               bits[words])
+    # pairs: a register's word k -> output k, its low / high byte in the output's half 0 / 1,
+    # as the jnp path pairs adjacent words
+    seq = np.asarray(jax.random.permutation(jax.random.key(63), w), np.uint16)
+    pair_jnp = [np.asarray(h).view(np.uint16) for h in _e4m3_word_pairs(jnp.asarray(seq), False)]
+    regs = seq[0::2].astype(np.uint32) | (seq[1::2].astype(np.uint32) << np.uint32(16))
+    outs = [emulate_ptx(asm, [regs], 1)[0] for asm in PAIR_ASM]
+    for k in (0, 1):
+        for half in (0, 1):
+            np.testing.assert_array_equal((outs[k] >> np.uint32(16 * half)) & np.uint32(0xFFFF),
+                                          pair_jnp[k][half::2])
+        lo_hi = np.stack([want[seq[k::2]][:, i] for i in (0, 1)], axis=1).reshape(-1)
+        got = pair_jnp[k].view(np.float16).astype(np.float32)
+        ok = ~np.isnan(lo_hi)
+        np.testing.assert_array_equal(got[ok], lo_hi[ok])
 
 
 def test_decode_fp8_words_errors():
@@ -307,16 +330,21 @@ def test_default_config_is_the_measured_winner():
     for (B, ctx), splits in {(16, 32768): 8, (64, 131072): 2, (1, 131072): 128}.items():
         c = resolve_config((B, 1, 16, 576), pool, jnp.bfloat16, (B, ctx // 64), num_sms=132)
         assert c == dict(block_h=16, block_k=64, num_warps=4, num_stages=3, num_splits=splits,
-                         load="page", fp8_upcast="mixed", fp8_dot="bf16"), (B, ctx, c)
+                         load="page", fp8_upcast="mixed", fp8_dot="bf16", lat_chunks=0), (B, ctx, c)
         c8 = resolve_config((B, 1, 16, 576), pool, jnp.float8_e4m3fn, (B, ctx // 64),
                             num_sms=132)
         assert (c8["block_k"], c8["num_warps"], c8["num_stages"], c8["fp8_upcast"],
                 c8["fp8_dot"]) == (64, 8, 3, "operand", "fp16")
-        # the fp8 words form: the 2026-12-02 winner (0.37-0.50x the float8 "operand" time, call 5)
+        # the fp8 words form: the 2026-12-03 winner ("words_pairs", one accumulator per QK^T
+        # dot; 71.6-81.6% of copy at 16 heads from B16 32K up, "words" 68-76%)
         cw = resolve_config((B, 1, 16, 576), (131072, 64, 288), jnp.uint16, (B, ctx // 64),
                             num_sms=132, platform="cuda")
         assert (cw["block_k"], cw["num_warps"], cw["num_stages"], cw["fp8_upcast"],
-                cw["fp8_dot"], cw["load"]) == (64, 4, 3, "words", "fp16", "page")
+                cw["fp8_dot"], cw["load"], cw["lat_chunks"]) == (64, 4, 3, "words_pairs", "fp16",
+                                                                  "page", 1)
+        c128 = resolve_config((B, 1, 128, 576), (131072, 64, 288), jnp.uint16, (B, ctx // 64),
+                              num_sms=132, platform="cuda")
+        assert (c128["block_h"], c128["fp8_upcast"], c128["lat_chunks"]) == (64, "words_pairs", 0)
         assert cw["num_splits"] == {16: 16, 64: 4, 1: 128}[B]
     c = resolve_config((16, 1, 12, 576), (100, 16, 576), jnp.bfloat16, (16, 2048), num_sms=132)
     assert (c["block_k"], c["num_warps"], c["num_stages"], c["load"]) == (64, 4, 2, "token")
@@ -334,7 +362,8 @@ def test_default_config_is_the_measured_winner():
     ("fp8", dict(fp8_upcast="operand")), ("fp8", dict(fp8_upcast="mixed", fp8_dot="fp16")),
     ("fp8", dict(fp8_upcast="tile", fp8_dot="fp16", per_token=False)),
     ("fp8w", {}), ("fp8w", dict(fp8_upcast="words_int", per_token=False)),
-    ("fp8w", dict(Tq=4, H=12)), ("fp8w", dict(H=128))])
+    ("fp8w", dict(Tq=4, H=12)), ("fp8w", dict(H=128)), ("fp8w", dict(fp8_upcast="words_pairs")),
+    ("fp8w", dict(fp8_upcast="words_pairs", lat_chunks=2, H=128)), ("bf16", dict(lat_chunks=2))])
 def test_decode_lowers_for_h200(dtype, kw):
     """Each variant lowers to Triton IR for an H200 (no GPU needed), with a > 4 GiB cache."""
     from kernels_pallas.gpu_lowering import lower_for_gpu

@@ -57,6 +57,14 @@ Math and shapes: see reference.py. Kernel layout:
   NVIDIA, jnp elsewhere: the portable one). H200, 2026-12-02 (results_mla.md): "words" 70-78%
   of copy at B16-B64 x 32K-128K, 2.6-2.7x faster than "operand" and 1.42x faster than bf16 in
   time; "words_int" 6-10% slower than "words".
+  "words_pairs" (the CUDA default since 2026-12-03): PV as "words"; QK^T converts each word
+  whole, one cvt and no prmt, since a 16-bit dot operand's register holds two k-adjacent words
+  of one token and their four bytes are latent columns 4i..4i+3: one dot takes the first word's
+  two values (columns 4i, 4i + 1), the other the second's, with q's columns permuted to match
+  (`word_q_columns`). Not an elementwise op: it relies on Triton packing k-adjacent words
+  (checked on the GPU by bench_mla_decode.py; "words" does not). Offline 1082 instructions a
+  warp a step instead of 1228; H200 71.6-81.6% of copy from B16 32K up with `lat_chunks` 1
+  (each QK^T dot its own accumulator: Triton had folded the four into one HMMA chain).
 * q rows for fp16 dots are scaled (and, for the words form, split into even / odd columns by
   strided loads) inside the kernel at 16-row blocks, before it for larger blocks.
 * Each program writes its normalised partial o (`partials`: bf16 when the output is 16-bit,
@@ -113,11 +121,15 @@ LOADS = ("page", "token")
 # The "words" upcasts and the conversion each runs on both dots' operands (_e4m3_word_halves).
 # Mixed forms (one dot "cvt", the other "int", to spread the work over two pipes) were timed on
 # the H200 (results_mla.md, 2026-12-02) and lost to "words" at 5 of 6 shapes; not kept.
-WORD_CONVERSIONS = {"words": "cvt", "words_int": "int"}
+WORD_CONVERSIONS = {"words": "cvt", "words_int": "int", "words_pairs": "cvt"}
+# "words_pairs": PV as "words"; QK^T converts each word whole (its two bytes are latent columns
+# 2d, 2d + 1, a natural k pair of the dot) with no byte gather, q's columns permuted to match
+PAIR_UPCASTS = ("words_pairs",)
 WORD_UPCASTS = tuple(WORD_CONVERSIONS)
 FP8_UPCASTS = ("mixed", "tile", "operand") + WORD_UPCASTS
 FP8_DOTS = ("bf16", "fp16")
 MERGES = ("pallas", "xla")
+LAT_CHUNKS = (0, 1, 2, 4)
 PARTIALS = ("float32", "bfloat16")
 
 # H200 (sm_90) per-SM limits used by the occupancy estimate.
@@ -221,14 +233,21 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     which loads are pipelined): bf16 rows 17-32 and fp32 caches: 32-key blocks, 8 warps, 3 stages
     (64-key blocks at 3 stages would not fit an fp32 tile pair in 227 KiB); fp8 64-row blocks:
     32-key blocks, 8 warps, 2 stages.
-    fp8 words form (uint16 cache): "words", fp16 dots, 64-key blocks, 4 warps, 3 stages at
-    16-row blocks (H200, 2026-12-02, % of copy at B16 32K / B64 128K, each against the default
-    in the same call: call 1 default 65.6 / 70.0, 8 warps 49.0 / 54.6, 4 stages 58.7 / 67.0;
-    call 2 default 68.9 / 76.6, 2 stages 62.0 / 70.6, 32-key blocks at 4 stages 56.8 / 63.6, at
-    6 stages 55.0 / 62.1; call 5 default 70.3 / 77.6, "words_int" 64.1 / 70.2; results_mla.md);
-    32-key blocks, 8 warps, 2 stages at 64-row blocks (compiles
-    without spilling much offline; 128 heads B16 32K 1379 us against bf16's 574: compute-bound,
-    as the float8 cache's kernel is); "words_int" on ROCm (no PTX there; not run on AMD).
+    fp8 words form (uint16 cache): "words_pairs" with lat_chunks 1 (one accumulator per QK^T
+    dot), fp16 dots, 64-key blocks, 4 warps, 3 stages at 16-row blocks. H200, 2026-12-03
+    (results_mla.md, calls 2 and 3), % of copy at B16 32K / B64 32K / B16 128K / B1 128K:
+    "words" 68.3 / 75.4 / 75.9 / 47.5, "words_pairs" 71.8 / 80.2 / 80.2 / 47.4, with
+    lat_chunks 1 72.9 / 81.6 / 81.5 / 49.9 (call 3 again: words 68.2 / 75.6 / 75.5 / 47.4,
+    pairs 71.6 / 80.1 / 80.0 / 47.3, lat_chunks 1 72.8 / 81.5 / 81.5 / 50.0); B64 128K, the
+    noisiest shape, pairs 79.9 / 81.4 / 79.6 and lat_chunks 1 76.9 / 83.9 / 77.0 in three
+    samples; lat_chunks 2 and 4 1-4 points below 0 or 1. The blocks, from the 2026-12-02 sweep
+    of "words" (B16 32K / B64 128K, each against the default in the same call: call 1 default
+    65.6 / 70.0, 8 warps 49.0 / 54.6, 4 stages 58.7 / 67.0; call 2 default 68.9 / 76.6, 2 stages
+    62.0 / 70.6, 32-key blocks at 4 stages 56.8 / 63.6, at 6 stages 55.0 / 62.1; call 5
+    "words_int" 64.1 / 70.2 against 70.3 / 77.6). 32-key blocks, 8 warps, 2 stages, lat_chunks
+    0 at 64-row blocks (compiles without spilling much offline; 128 heads B16 32K 1298 us
+    "words_pairs", 1301 "words", against bf16's 570: compute-bound, as the float8 cache's kernel
+    is; lat_chunks 2 1555 us); "words_int" on ROCm (no PTX there; not run on AMD).
     fp8 (float8 cache): 64-key blocks, 8 warps, 3 stages, "operand" upcast with fp16 dots: the
     fastest float8 configuration of the 2026-11-30 run at every 16-head shape (GPU time; 26.7% / 29.3% / 21.4%
     of copy bandwidth at B16 32K / B64 128K / B1 128K, 1.35-1.48x faster than the "mixed" bf16
@@ -241,9 +260,11 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     n_hblk = -(-rows // block_h)
     fp8_upcast, fp8_dot = ("operand", "fp16") if itemsize == 1 else ("mixed", "bf16")
     rocm = (platform or kernel_platform()) == "rocm"
+    lat_chunks = 0
     if words:
-        fp8_upcast = "words_int" if rocm else "words"
+        fp8_upcast = "words_int" if rocm else "words_pairs"
         block_k, num_warps, num_stages = (64, 4, 3) if block_h == 16 else (32, 8, 2)
+        lat_chunks = 1 if (block_h == 16 and not rocm) else 0     # measured: see the docstring
     elif block_h == 64 and itemsize == 2:         # measured (see above)
         block_k, num_warps, num_stages = 64, 8, 2
     elif block_h == 64:
@@ -267,7 +288,8 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
                                slots=slots, itemsize=itemsize, num_sms=sms)
     load = "page" if page_size is None or page_size % block_k == 0 else "token"
     return dict(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                num_splits=splits, load=load, fp8_upcast=fp8_upcast, fp8_dot=fp8_dot)
+                num_splits=splits, load=load, fp8_upcast=fp8_upcast, fp8_dot=fp8_dot,
+                lat_chunks=lat_chunks)
 
 
 # the "int" conversion gives e4m3 values * 2^-8 (folded back into the score / output multiplier)
@@ -290,6 +312,39 @@ WORD_ASM = {
             "{ .reg .b32 t, u;\n  shr.b32 t, $1, 1;\n  and.b32 t, t, 0x3f803f80;\n"
             "  and.b32 u, $1, 0x80008000;\n  or.b32 $0, u, t; }"),
 }
+
+
+# one register of two words (w0 low, w1 high) -> f16x2 of w0's two bytes / of w1's (two asm
+# ops: Pallas' Triton lowering takes one result an op)
+PAIR_ASM = tuple("{ .reg .b16 l, h;\n  mov.b32 {l, h}, $1;\n"
+                 f"  cvt.rn.f16x2.e4m3x2 $0, {r}; }}" for r in ("l", "h"))
+
+
+def _e4m3_word_pairs(w, ptx: bool):
+    """uint16 words [..., n] (n even) of two e4m3 bytes -> (a, b) fp16 [..., n]: for each pair of
+    adjacent words (w[2i], w[2i + 1]) a[2i], a[2i + 1] = w[2i]'s low, high byte and b[2i],
+    b[2i + 1] = w[2i + 1]'s: one cvt per word and no byte gather. Not elementwise: on the GPU
+    (PTX, pack=2) it relies on Triton packing the two words adjacent in the last axis into one
+    register, as it does for the QK^T operand (16-bit dot operands pair k-adjacent elements);
+    the GPU check of bench_mla_decode.py holds it to the reference."""
+    if ptx:
+        sd = jax.ShapeDtypeStruct(w.shape, jnp.float16)
+        return tuple(plgpu.elementwise_inline_asm(
+            asm, args=[w], constraints="=r,r", pack=2, result_shape_dtypes=[sd])[0]
+            for asm in PAIR_ASM)
+    b = lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), jnp.uint8)
+    f = lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.float16)  # [..., n/2, 2, 2]
+    return tuple(f[..., i, :].reshape(w.shape) for i in (0, 1))
+
+
+def word_q_columns(n_words: int, half: int, pairs: bool):
+    """The latent / rope columns (offsets within the part) that meet a words tile of n_words
+    words in the QK^T dot: `half` 0 / 1 = the first / second dot. Halves: the words' low / high
+    bytes, columns 2k + half. Pairs (_e4m3_word_pairs): 4 (k // 2) + k % 2 + 2 half."""
+    k = jnp.arange(n_words, dtype=jnp.int32)
+    if pairs:
+        return 4 * (k // 2) + k % 2 + 2 * half
+    return 2 * k + half
 
 
 def _e4m3_word_halves(w, conv: str, ptx: bool):
@@ -322,7 +377,7 @@ def _e4m3_word_halves(w, conv: str, ptx: bool):
 def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
                    block_k: int, page_size: int, max_pages: int, num_splits: int,
                    has_token_scale: bool, row_scale: str | None, compute_dtype, load: str,
-                   fp8_upcast: str | None, word_ptx: bool = False):
+                   fp8_upcast: str | None, word_ptx: bool = False, lat_chunks: int = 0):
     rest = list(rest)
     tscale_ref = rest.pop(0) if has_token_scale else None
     qmul_ref = rest.pop(0) if row_scale == "input" else None
@@ -355,21 +410,40 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
         qmul = jnp.where(amax > 0, amax, 1.0)
         score_mult = score_mult * qmul[:, None]
 
-    def q_cols(start, size, stride=1):
-        if row_scale == "input" and stride > 1:     # already in the kernel's column order
-            start, stride = (start - start % stride) + (start % stride) * size, 1
-        v = q_ref[:, pl.ds(start, size, stride=stride) if stride > 1 else pl.ds(start, size)]
+    def scaled(v):
         if row_scale == "kernel":
             v = v.astype(jnp.float32) / qmul[:, None]
         return v.astype(compute_dtype)
 
     words = fp8_upcast in WORD_UPCASTS
+    pairs = fp8_upcast in PAIR_UPCASTS
     lat_w, rope_w = (LATENT // 2, ROPE // 2) if words else (LATENT, ROPE)
-    if words:   # the words' low / high bytes hold the even / odd columns
-        q_lat = (q_cols(0, lat_w, 2), q_cols(1, lat_w, 2))
-        q_rope = (q_cols(LATENT, rope_w, 2), q_cols(LATENT + 1, rope_w, 2))
+
+    # The latent in `nch` column chunks (a load, QK^T dots and PV accumulators each): with
+    # lat_chunks > 0 every QK^T dot has an accumulator of its own, so their HMMA chains run side
+    # by side; with 0 Triton folds "dot + x" into the dot's accumulator, one chain through all
+    nch = max(1, lat_chunks)
+    cw = lat_w // nch
+
+    def q_word_cols(part, half, i=0):
+        """q's columns that meet chunk i of a words tile in the QK^T dot (word_q_columns)."""
+        base, n = (0, cw) if part == "lat" else (LATENT, rope_w)
+        whole = lat_w if part == "lat" else rope_w
+        if row_scale == "input":    # q arrives in the kernel's column order: a plain slice
+            return scaled(q_ref[:, pl.ds(base + half * whole + i * n, n)])
+        if not pairs:
+            return scaled(q_ref[:, pl.ds(base + 2 * i * n + half, n, stride=2)])
+        rows = jnp.arange(block_h, dtype=jnp.int32)
+        cols = base + 2 * i * n + word_q_columns(n, half, True)
+        return scaled(plgpu.load(q_ref.at[rows[:, None], cols[None, :]]))
+
+    # per chunk the q columns of each dot (words: two, the low / high bytes or word pairs)
+    if words:
+        q_lat = [(q_word_cols("lat", 0, i), q_word_cols("lat", 1, i)) for i in range(nch)]
+        q_rope = (q_word_cols("rope", 0), q_word_cols("rope", 1))
     else:
-        q_lat, q_rope = q_cols(0, LATENT), q_cols(LATENT, ROPE)
+        q_lat = [(scaled(q_ref[:, pl.ds(i * cw, cw)]),) for i in range(nch)]
+        q_rope = (scaled(q_ref[:, pl.ds(LATENT, ROPE)]),)
     lim = length + roff_ref[...]                       # [block_h]: row r sees pos < lim[r]
     offs = jnp.arange(block_k, dtype=jnp.int32)
     zero = jnp.zeros((), cache_ref.dtype)     # typed, so an fp8 cache gets an fp8 fill value
@@ -395,58 +469,59 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
 
         if load == "page":
             rows = pl.ds(lax.rem(base, page_size), block_k)
-            c = ld(cache_ref.at[page, rows, pl.ds(0, lat_w)], vmask)
+            c = [ld(cache_ref.at[page, rows, pl.ds(i * cw, cw)], vmask) for i in range(nch)]
             kr = ld(cache_ref.at[page, rows, pl.ds(lat_w, rope_w)], vmask)
             ts = ld(tscale_ref.at[page, rows], valid, 0.0) if has_token_scale else None
         else:
             slot = jnp.minimum(lax.div(pos, page_size), max_pages - 1)
             tok = pt_ref[slot] * page_size + lax.rem(pos, page_size)
-            cols_lat = jnp.arange(lat_w, dtype=jnp.int32)
             cols_rope = lat_w + jnp.arange(rope_w, dtype=jnp.int32)
             # Gathers with two integer indexers (the interpreter has no int-array + slice mix).
-            c = ld(cache_ref.at[tok[:, None], cols_lat[None, :]], vmask)
+            c = [ld(cache_ref.at[tok[:, None], (i * cw + jnp.arange(cw, dtype=jnp.int32))[None, :]],
+                    vmask) for i in range(nch)]
             kr = ld(cache_ref.at[tok[:, None], cols_rope[None, :]], vmask)
             ts = ld(tscale_ref.at[tok], valid, 0.0) if has_token_scale else None
+        mult = ts[None, :] * score_mult if has_token_scale else score_mult   # [bh, bk] or [bh, 1]
+        # per chunk the operands of each dot: c_qk / r_qk for QK^T, c_pv for PV
         if words:
             # each 16-bit word holds dims 2d (low byte) and 2d + 1 (high byte) of one token;
             # both become fp16 in registers after the 16-bit tile's shared-memory load
             conv = WORD_CONVERSIONS[fp8_upcast]
-            c_lo, c_hi = _e4m3_word_halves(c, conv, word_ptx)
-            r_lo, r_hi = _e4m3_word_halves(kr, conv, word_ptx)
-            s = (plgpu.dot(q_lat[0], c_lo, trans_b=True) + plgpu.dot(q_lat[1], c_hi, trans_b=True)
-                 + plgpu.dot(q_rope[0], r_lo, trans_b=True)
-                 + plgpu.dot(q_rope[1], r_hi, trans_b=True))
+            c_pv = [_e4m3_word_halves(ci, conv, word_ptx) for ci in c]
+            if pairs:   # QK^T's: whole words, no byte gather (q's columns to match)
+                c_qk = [_e4m3_word_pairs(ci, word_ptx) for ci in c]
+                r_qk = _e4m3_word_pairs(kr, word_ptx)
+            else:
+                c_qk = c_pv
+                r_qk = _e4m3_word_halves(kr, conv, word_ptx)
         elif fp8_upcast is None or fp8_upcast == "operand":
-            c_qk = c_pv = c.astype(compute_dtype)
-            kr = kr.astype(compute_dtype)
+            c_qk = c_pv = [(ci.astype(compute_dtype),) for ci in c]
+            r_qk = (kr.astype(compute_dtype),)
         elif fp8_upcast == "tile":
-            c_qk = c_pv = tile_upcast(c)
-            kr = tile_upcast(kr)
+            c_qk = c_pv = [(tile_upcast(ci),) for ci in c]
+            r_qk = (tile_upcast(kr),)
         else:   # "mixed": QK^T reads a bf16 copy, PV converts the fp8 operand in registers
-            c_qk = tile_upcast(c)
-            c_pv = c.astype(compute_dtype)
-            kr = tile_upcast(kr)
-        if not words:
-            s = plgpu.dot(q_lat, c_qk, trans_b=True) + plgpu.dot(q_rope, kr, trans_b=True)
-        if has_token_scale:
-            s = s * (ts[None, :] * score_mult)          # [bh, bk] f32
+            c_qk = [(tile_upcast(ci),) for ci in c]
+            c_pv = [(ci.astype(compute_dtype),) for ci in c]
+            r_qk = (tile_upcast(kr),)
+        operands = [(qq, kk) for qc, kc in zip(q_lat, c_qk) for qq, kk in zip(qc, kc)]
+        dots = [plgpu.dot(qq, kk, trans_b=True) for qq, kk in operands + list(zip(q_rope, r_qk))]
+        if lat_chunks:  # each dot scaled before the sum: Triton cannot fold the sum into one
+            s = sum(d * mult for d in dots)     # accumulator chain
         else:
-            s = s * score_mult
+            s = sum(dots[1:], dots[0]) * mult
         s = jnp.where(pos[None, :] < lim[:, None], s, -jnp.inf)
         p, alpha, m_new, l_new = online_softmax_step(s, m_i, l_i)
         if has_token_scale:
             p = p * ts[None, :]
         pc = p.astype(compute_dtype)
-        if words:   # even and odd latent columns in two accumulators
-            acc = (acc[0] * alpha[:, None] + plgpu.dot(pc, c_lo),
-                   acc[1] * alpha[:, None] + plgpu.dot(pc, c_hi))
-        else:
-            acc = acc * alpha[:, None] + plgpu.dot(pc, c_pv)
+        # an accumulator per PV operand: words (chunk 0 low bytes, chunk 0 high bytes, chunk 1
+        # low, ...), else one per chunk
+        acc = tuple(a * alpha[:, None] + plgpu.dot(pc, cc)
+                    for a, cc in zip(acc, [h for halves in c_pv for h in halves]))
         return acc, m_new, l_new
 
-    acc0 = jnp.zeros((block_h, lat_w), jnp.float32)
-    if words:
-        acc0 = (acc0, acc0)
+    acc0 = (jnp.zeros((block_h, cw), jnp.float32),) * ((2 if words else 1) * nch)
     m0 = jnp.full((block_h,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((block_h,), jnp.float32)
     carry = (acc0, m0, l0)
@@ -476,22 +551,28 @@ def _decode_kernel(len_ref, scal_ref, roff_ref, q_ref, pt_ref, cache_ref, *rest,
         carry = lax.fori_loop(0, n_iter, lambda i, cr: step(cr, start + i * block_k, None),
                               carry)
     acc, m_i, l_i = carry
-    if words:       # back to the latent's column order: column 2d from acc[0], 2d + 1 from acc[1]
-        acc = jnp.stack(acc, axis=-1).reshape(block_h, LATENT)
     has = l_i > 0
     l_safe = jnp.where(has, l_i, 1.0)
-    o_ref[...] = (acc * (out_mult / l_safe)[:, None]).astype(o_ref.dtype)
+    omul = (out_mult / l_safe)[:, None]
+    for i in range(nch):
+        if words:   # back to the latent's column order: column 2d of a chunk from its low bytes
+            o = jnp.stack(acc[2 * i:2 * i + 2], axis=-1).reshape(block_h, 2 * cw)
+            o_ref[:, pl.ds(2 * i * cw, 2 * cw)] = (o * omul).astype(o_ref.dtype)
+        elif nch == 1:
+            o_ref[...] = (acc[0] * omul).astype(o_ref.dtype)
+        else:
+            o_ref[:, pl.ds(i * cw, cw)] = (acc[i] * omul).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnames=("num_splits", "block_h", "block_k", "num_warps",
                                              "num_stages", "load", "fp8_upcast", "fp8_dot",
                                              "interpret", "out_dtype", "return_partials",
-                                             "merge", "partial_dtype"))
+                                             "merge", "partial_dtype", "lat_chunks"))
 def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num_splits, block_h,
                        block_k, num_warps, num_stages, load, fp8_upcast, interpret, out_dtype,
                        fp8_dot="bf16", return_partials=False, merge="pallas",
-                       partial_dtype=jnp.float32):
+                       partial_dtype=jnp.float32, lat_chunks=0):
     if merge not in MERGES:
         raise ValueError(f"merge={merge!r} is not one of {MERGES}")
     B, Tq, Hq, _ = q.shape
@@ -522,9 +603,11 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
         qmul = jnp.where(amax > 0, amax, 1.0)
         qf = q32 / qmul[..., None]
         qmul = jnp.pad(qmul, ((0, 0), (0, rows_p - rows)), constant_values=1.0)
-        if words:   # [lat even | lat odd | rope even | rope odd]: the words' low / high bytes
-            qf = jnp.concatenate([qf[..., 0:LATENT:2], qf[..., 1:LATENT:2],
-                                  qf[..., LATENT::2], qf[..., LATENT + 1::2]], axis=-1)
+        if words:   # [lat half 0 | lat half 1 | rope half 0 | rope half 1] (word_q_columns)
+            pairs = fp8_upcast in PAIR_UPCASTS
+            qf = jnp.concatenate([qf[..., base + word_q_columns(n, half, pairs)]
+                                  for base, n in ((0, LATENT // 2), (LATENT, ROPE // 2))
+                                  for half in (0, 1)], axis=-1)
     if row_scale != "kernel":   # the kernel scales and casts its rows itself
         qf = qf.astype(compute_dtype)
     if rows_p != rows:
@@ -589,7 +672,7 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
         _decode_kernel, block_k=block_k, page_size=page_size, max_pages=max_pages,
         num_splits=num_splits, has_token_scale=token_scale is not None,
         row_scale=row_scale, compute_dtype=compute_dtype, load=load,
-        fp8_upcast=fp8_upcast if is_fp8 else None,
+        fp8_upcast=fp8_upcast if is_fp8 else None, lat_chunks=lat_chunks,
         word_ptx=words and not interpret and kernel_platform() != "rocm")
     o_part, lse_part = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -611,7 +694,8 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
 
 def resolve_config(q_shape, cache_shape, cache_dtype, page_table_shape, *, num_splits=None,
                    block_h=None, block_k=None, num_warps=None, num_stages=None, load=None,
-                   fp8_upcast=None, fp8_dot=None, num_sms=None, platform=None) -> dict:
+                   fp8_upcast=None, fp8_dot=None, lat_chunks=None, num_sms=None,
+                   platform=None) -> dict:
     """The full static configuration mla_decode runs with: `default_config` for the shapes (and
     platform: "cuda" | "rocm" | ...; None: where the kernel runs, `kernel_platform()`),
     overridden by the given values. num_splits: an int, or a policy in SPLIT_POLICIES applied
@@ -641,9 +725,10 @@ def resolve_config(q_shape, cache_shape, cache_dtype, page_table_shape, *, num_s
     fp8_upcast = fp8_upcast or cfg["fp8_upcast"]
     if fp8_upcast not in FP8_UPCASTS:
         raise ValueError(f"fp8_upcast={fp8_upcast!r} is not one of {FP8_UPCASTS}")
-    if fp8_upcast == "words" and (platform or kernel_platform()) == "rocm":
-        raise ValueError('fp8_upcast="words" converts with NVIDIA PTX; on ROCm use "words_int" '
-                         "(the default there)")
+    if (fp8_upcast in ("words",) + PAIR_UPCASTS
+            and (platform or kernel_platform()) == "rocm"):
+        raise ValueError(f'fp8_upcast="{fp8_upcast}" converts with NVIDIA PTX; on ROCm use '
+                         '"words_int" (the default there)')
     if itemsize == 1 and words != (fp8_upcast in WORD_UPCASTS):
         raise ValueError(
             f"fp8_upcast={fp8_upcast!r} with a {'words' if words else 'float8'} cache: the "
@@ -654,6 +739,10 @@ def resolve_config(q_shape, cache_shape, cache_dtype, page_table_shape, *, num_s
     if fp8_dot not in FP8_DOTS:
         raise ValueError(f"fp8_dot={fp8_dot!r} is not one of {FP8_DOTS}")
     cfg["fp8_dot"] = fp8_dot
+    if lat_chunks is not None:
+        cfg["lat_chunks"] = int(lat_chunks)
+    if cfg["lat_chunks"] not in LAT_CHUNKS:
+        raise ValueError(f"lat_chunks={cfg['lat_chunks']} is not one of {LAT_CHUNKS}")
     if num_splits is None or isinstance(num_splits, str):
         policy = num_splits or "waves"
         if policy not in SPLIT_POLICIES:
@@ -677,7 +766,7 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
                num_warps: int | None = None, num_stages: int | None = None,
                load: str | None = None, fp8_upcast: str | None = None,
                fp8_dot: str | None = None, merge: str = "pallas",
-               partials: str | None = None):
+               partials: str | None = None, lat_chunks: int | None = None):
     """Absorbed MLA decode / multi-token verify over a paged latent cache.
 
     q [B, Tq, Hq, 576] (q_lat 512 | q_rope 64), cache [num_pages, page_size, 576] (bf16, fp32, or
@@ -720,7 +809,7 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
     cfg = resolve_config(q.shape, cache.shape, cache.dtype, page_table.shape,
                          num_splits=num_splits, block_h=block_h, block_k=block_k,
                          num_warps=num_warps, num_stages=num_stages, load=load,
-                         fp8_upcast=fp8_upcast, fp8_dot=fp8_dot)
+                         fp8_upcast=fp8_upcast, fp8_dot=fp8_dot, lat_chunks=lat_chunks)
     return _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale,
                               interpret=backend == "interpret", out_dtype=out_dtype,
                               merge=merge, partial_dtype=jnp.dtype(partials), **cfg)
