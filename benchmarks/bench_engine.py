@@ -7,8 +7,10 @@ bytes one decode step must read (weights incl. the experts hit, KDA state read +
 over the copy bandwidth measured in the same run.
 
 Run (repo root): PYTHONUNBUFFERED=1 python3 benchmarks/bench_engine.py   [BENCH_TINY=1 on CPU]
-(BENCH_MLA_CACHE=fp8: the MLA cache as e4m3 words, Config.mla_cache_dtype="fp8"; not run on a GPU
-yet.)
+Knobs: BENCH_BATCHES="1,16,64,256"; BENCH_MLA_CACHE="auto,fp8" (each in turn; "fp8": the MLA
+cache as e4m3 words, Config.mla_cache_dtype="fp8"); BENCH_PROMPT_LEN (default 16: decode at a
+context of 16-56 tokens; 32768: every row prefilled with 32K tokens first, so the decode step
+reads a long MLA history) and BENCH_PREFILL_CHUNK (default 16; tokens a row per prefill call).
 Writes $OUT/bench_engine.json (after every batch size) and prints a table.
 """
 from __future__ import annotations
@@ -29,17 +31,19 @@ OUT = os.environ.get("OUT", "/tmp")
 TINY = os.environ.get("BENCH_TINY") == "1"
 BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "1,16,64,256").split(",")]
 BUDGET = float(os.environ.get("BENCH_BUDGET_S", "250"))
-MLA_CACHE = os.environ.get("BENCH_MLA_CACHE", "auto")   # "fp8": Config.mla_cache_dtype="fp8"
+MLA_CACHES = os.environ.get("BENCH_MLA_CACHE", "auto").split(",")  # "fp8": e4m3 words
+PROMPT_LEN = int(os.environ.get("BENCH_PROMPT_LEN", "16"))
+PREFILL_CHUNK = int(os.environ.get("BENCH_PREFILL_CHUNK", "16"))
 
 
-def reduced_k3():
+def reduced_k3(mla_cache="auto"):
     if TINY:
         return kimik3.Config.preset("tiny").replace(num_layers=3, layer_types=("kda", "kda", "mla"),
-                                                    mla_cache_dtype=MLA_CACHE)
+                                                    mla_cache_dtype=mla_cache)
     return kimik3.Config.preset("kimi-k3").replace(
         name="k3-tp8-rank-3L", num_layers=3, layer_types=("kda", "kda", "mla"), kda_num_heads=12,
         mla_num_heads=12, intermediate_size=33792 // 8, moe_intermediate_size=3072 // 8,
-        vocab_size=163840 // 8, attn_res_block_size=2, mla_cache_dtype=MLA_CACHE)
+        vocab_size=163840 // 8, attn_res_block_size=2, mla_cache_dtype=mla_cache)
 
 
 def copy_bandwidth():
@@ -84,49 +88,67 @@ def check_kernels_in_model():
     return ok
 
 
+def time_batch(model, B, steps=8, n_calls=4):
+    """Prefill B rows of PROMPT_LEN random tokens, then time n_calls decode calls of `steps`
+    tokens a row. Returns (seconds a decode step, the context it ended at, prefill s, warm-up s)."""
+    eng = Engine(model, max_batch=B, max_seq_len=PROMPT_LEN + steps * (n_calls + 2) + 64,
+                 page_size=64, prefill_chunk=PREFILL_CHUNK, decode_steps=steps)
+    rng = np.random.RandomState(B)
+    for i in range(B):
+        eng.submit(list(map(int, rng.randint(0, 256, PROMPT_LEN))),
+                   SamplingParams(max_new_tokens=steps * (n_calls + 2), stop_tokens=()),
+                   request_id=i)
+    t0 = time.perf_counter()
+    eng.step()  # the first prefill call (compiles)
+    jax.block_until_ready(eng.layers)
+    t1 = time.perf_counter()
+    while any(r.fed < len(r.prompt) for r in eng.running) or eng.waiting:
+        eng.step()  # the rest of the prefill
+    jax.block_until_ready(eng.layers)
+    prefill_s = time.perf_counter() - t1
+    eng.step()  # compile the decode loop
+    jax.block_until_ready(eng.layers)
+    warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(n_calls):
+        eng.step()
+    jax.block_until_ready(eng.layers)
+    dt = (time.perf_counter() - t0) / (n_calls * steps)
+    return dt, PROMPT_LEN + steps * (n_calls + 1), prefill_s, warm
+
+
 def main():
     t_start = time.perf_counter()
     check = check_kernels_in_model()
-    cfg = reduced_k3()
-    model = kimik3.init(cfg, seed=0)
-    jax.block_until_ready(model.params)
     bw = copy_bandwidth()
-    print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.2f} TB/s; "
-          f"params {sum(x.nbytes for x in jax.tree.leaves(model.params)) / 1e9:.2f} GB", flush=True)
-    results = {"config": cfg.name, "copy_bw": bw, "kernels_match_reference": check, "rows": []}
-    prompt_len, steps = 16, 8
-    for B in BATCHES:
-        if time.perf_counter() - t_start > BUDGET:
-            print(f"budget reached before B={B}")
-            break
-        eng = Engine(model, max_batch=B, max_seq_len=256, page_size=64, prefill_chunk=16, decode_steps=steps)
-        rng = np.random.RandomState(B)
-        for i in range(B):
-            eng.submit(list(map(int, rng.randint(0, 256, prompt_len))),
-                       SamplingParams(max_new_tokens=200, stop_tokens=()), request_id=i)
-        t0 = time.perf_counter()
-        while any(r.fed < len(r.prompt) for r in eng.running) or eng.waiting:
-            eng.step()  # prefill (and compile)
-        eng.step()  # compile the decode loop
-        jax.block_until_ready(eng.layers)
-        warm = time.perf_counter() - t0
-        n_calls = 4
-        t0 = time.perf_counter()
-        for _ in range(n_calls):
-            eng.step()
-        jax.block_until_ready(eng.layers)
-        dt = (time.perf_counter() - t0) / (n_calls * steps)  # seconds per decode step
-        ctx = prompt_len + steps * (n_calls + 1)
-        nbytes, parts = step_bytes(cfg, model.params, B, ctx)
-        row = dict(batch=B, step_us=dt * 1e6, tokens_per_s=B / dt, per_layer_us=dt * 1e6 / cfg.num_layers,
-                   roofline_us=nbytes / bw * 1e6, fraction_of_roofline=nbytes / bw / dt, bytes=parts,
-                   warmup_s=warm)
-        results["rows"].append(row)
-        print(f"B={B:4d}: {dt * 1e6:9.1f} us/step  {B / dt:10.1f} tok/s  roofline {nbytes / bw * 1e6:8.1f} us "
-              f"({100 * nbytes / bw / dt:5.1f}%)  warmup {warm:.1f}s", flush=True)
-        with open(os.path.join(OUT, "bench_engine.json"), "w") as f:
-            json.dump(results, f, indent=1)
-        del eng
+    results = {"copy_bw": bw, "kernels_match_reference": check, "prompt_len": PROMPT_LEN,
+               "prefill_chunk": PREFILL_CHUNK, "rows": []}
+    print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    for mla_cache in MLA_CACHES:
+        cfg = reduced_k3(mla_cache)
+        model = kimik3.init(cfg, seed=0)
+        jax.block_until_ready(model.params)
+        results["config"] = cfg.name
+        print(f"{cfg.name}, MLA cache {mla_cache}: params "
+              f"{sum(x.nbytes for x in jax.tree.leaves(model.params)) / 1e9:.2f} GB", flush=True)
+        for B in BATCHES:
+            if time.perf_counter() - t_start > BUDGET:
+                print(f"budget reached before B={B}, MLA cache {mla_cache}")
+                break
+            dt, ctx, prefill_s, warm = time_batch(model, B)
+            nbytes, parts = step_bytes(cfg, model.params, B, ctx)
+            row = dict(batch=B, mla_cache=mla_cache, context=ctx, step_us=dt * 1e6,
+                       tokens_per_s=B / dt, per_layer_us=dt * 1e6 / cfg.num_layers,
+                       roofline_us=nbytes / bw * 1e6, fraction_of_roofline=nbytes / bw / dt,
+                       bytes=parts, prefill_s=prefill_s, warmup_s=warm)
+            results["rows"].append(row)
+            print(f"B={B:4d} MLA cache {mla_cache:4s} ctx {ctx:6d}: {dt * 1e6:9.1f} us/step "
+                  f"{B / dt:10.1f} tok/s  roofline {nbytes / bw * 1e6:8.1f} us "
+                  f"({100 * nbytes / bw / dt:5.1f}%; MLA cache {parts['mla'] / 1e6:.0f} MB)  "
+                  f"prefill {prefill_s:.1f}s  warmup {warm:.1f}s", flush=True)
+            with open(os.path.join(OUT, "bench_engine.json"), "w") as f:
+                json.dump(results, f, indent=1)
+        del model
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from .common import F32, RMSNorm, Weight, dense
 from .kda import RECURRENT_MAX_T
 
 LONG_PREFILL = 1024  # causal passes longer than this use the chunked / flash prefill attention
+HISTORY_CHUNK = 1024  # key positions a step of `history_attention` (rounded to whole pages)
 MASKED = -1e30  # finite, so a row with no visible keys stays finite (it is padding anyway)
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -131,6 +132,51 @@ def per_head_shards(fn, head_args, shared_args, num_heads):
                      out_specs=heads, check_vma=False)(*head_args, *shared_args)
 
 
+def history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, scale, cache_scale,
+                      dtype, chunk: int = HISTORY_CHUNK):
+    """Causal attention of T new queries (at positions start + t) over a paged cache that already
+    holds them, in expanded form, one chunk of key positions at a time with an online softmax:
+    the memory is O(B H T chunk), where attending the whole table at once took the T x S scores
+    and the B x S x H expanded keys (48 GiB for 64 rows of 1024 new tokens over 32K positions
+    and 12 heads: H200, 2026-12-03). Steps past the batch's longest history are not run.
+    q_nope [B, T, H, dn], q_rope [B, T, H, dr]; latent [pages, P, C] with table [B, pages a row];
+    w_uk [R, H, dn], w_uv [R, H, dv]. Returns [B, T, H, dv] in `dtype` (0 where no key)."""
+    B, T, H, _ = q_nope.shape
+    P = latent.shape[1]
+    R, dv = w_uk.shape[0], w_uv.shape[-1]
+    per_step = max(1, chunk // P)               # whole pages a step
+    C = per_step * P
+    steps = -(-table.shape[1] // per_step)
+    table = jnp.pad(table, ((0, 0), (0, steps * per_step - table.shape[1])))  # masked below
+    end = start + n_new
+    qpos = start[:, None] + jnp.arange(T)[None, :]                             # [B, T]
+
+    def step(i, carry):
+        acc, m_i, l_i = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, i * per_step, per_step, axis=1)
+        keys = read_cache(latent[pages], cache_scale, dtype).reshape(B, C, -1)
+        k_nope = jnp.einsum("bsc,chn->bshn", keys[..., :R], w_uk, precision=HIGHEST)
+        v = jnp.einsum("bsc,chv->bshv", keys[..., :R], w_uv, precision=HIGHEST)
+        s = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, precision=HIGHEST)
+             + jnp.einsum("bthr,bsr->bhts", q_rope, keys[..., R:], precision=HIGHEST)).astype(F32) * scale
+        kpos = i * C + jnp.arange(C)
+        ok = (kpos[None, None, :] <= qpos[..., None]) & (kpos[None, None, :] < end[:, None, None])
+        s = jnp.where(ok[:, None], s, -jnp.inf)                               # [B, H, T, C]
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        alpha = jnp.exp(m_i - m_safe)
+        p = jnp.exp(s - m_safe[..., None])
+        acc = acc * alpha[..., None] + jnp.einsum("bhts,bshv->bhtv", p.astype(dtype), v,
+                                                  precision=HIGHEST, preferred_element_type=F32)
+        return acc, m_new, l_i * alpha + jnp.sum(p, axis=-1)
+
+    init = (jnp.zeros((B, H, T, dv), F32), jnp.full((B, H, T), -jnp.inf, F32), jnp.zeros((B, H, T), F32))
+    n_steps = jnp.minimum(-(-jnp.max(end) // C), steps)
+    acc, _, l_i = jax.lax.fori_loop(0, n_steps, step, init)
+    o = jnp.where((l_i > 0)[..., None], acc / jnp.where(l_i > 0, l_i, 1.0)[..., None], 0.0)
+    return jnp.swapaxes(o, 1, 2).astype(dtype)
+
+
 def _softmax_attend(scores, mask, values_fn):
     scores = jnp.where(mask, scores.astype(F32), MASKED)
     p = jax.nn.softmax(scores, axis=-1)
@@ -199,7 +245,7 @@ class MLA(nn.Module):
                 o_lat = dcp_attention(q_lat.astype(dt), q_rope.astype(dt), latent, start, n_new, scale, dcp_axes,
                                       backend=backend, page_table=page_table, cache_scale=cscale)
                 o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
-            elif not use_kernel:
+            elif not use_kernel and T <= RECURRENT_MAX_T:  # longer T: history_attention below
                 keys = read_cache(latent[table], cscale, dt).reshape(B, S, R + dr)
                 s = jnp.arange(S)
                 end = start + n_new
@@ -224,6 +270,9 @@ class MLA(nn.Module):
             o_lat = _softmax_attend(scores, visible[:, None], lambda p: jnp.einsum(
                 "bhts,bsc->bthc", p.astype(dt), lat_k, precision=HIGHEST))
             o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
+        elif cache is not None:  # chunked prefill over the cached history: no T x S scores
+            o = history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, scale,
+                                  cscale, dt)
         elif cache is None and T > LONG_PREFILL:  # long causal prefill: no T x T scores
             k_nope = jnp.einsum("bsc,chn->bshn", entries[..., :R], w_uk, precision=HIGHEST)
             v = jnp.einsum("bsc,chv->bshv", entries[..., :R], w_uv, precision=HIGHEST)
@@ -235,7 +284,7 @@ class MLA(nn.Module):
                                     (qk, k, v), (n_new,), H)
             else:
                 o, _ = mla_prefill_chunked(qk, k, v, n_new, scale=scale)
-        else:  # expanded form
+        else:  # expanded form, no cache: causal over x itself
             lat_k, rot_k = keys[..., :R], keys[..., R:]
             k_nope = jnp.einsum("bsc,chn->bshn", lat_k, w_uk, precision=HIGHEST)
             v = jnp.einsum("bsc,chv->bshv", lat_k, w_uv, precision=HIGHEST)
