@@ -13,6 +13,7 @@ from kernels_pallas import resolve_backend
 from kernels_pallas.mla import mla_decode
 from kernels_pallas.mla.decode import CACHE_DIM
 from kernels_pallas.mla.reference import dequant_cache, quantize_words
+from kernels_pallas.mla.softmax import online_softmax_step
 from kernels_pallas.mla.prefill import QK_DIM, V_DIM, mla_prefill, mla_prefill_chunked
 
 from .common import F32, RMSNorm, Weight, dense
@@ -150,6 +151,7 @@ def history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, s
     table = jnp.pad(table, ((0, 0), (0, steps * per_step - table.shape[1])))  # masked below
     end = start + n_new
     qpos = start[:, None] + jnp.arange(T)[None, :]                             # [B, T]
+    log2_scale = scale * math.log2(math.e)
 
     def step(i, carry):
         acc, m_i, l_i = carry
@@ -158,17 +160,14 @@ def history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, s
         k_nope = jnp.einsum("bsc,chn->bshn", keys[..., :R], w_uk, precision=HIGHEST)
         v = jnp.einsum("bsc,chv->bshv", keys[..., :R], w_uv, precision=HIGHEST)
         s = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, precision=HIGHEST)
-             + jnp.einsum("bthr,bsr->bhts", q_rope, keys[..., R:], precision=HIGHEST)).astype(F32) * scale
+             + jnp.einsum("bthr,bsr->bhts", q_rope, keys[..., R:], precision=HIGHEST)).astype(F32) * log2_scale
         kpos = i * C + jnp.arange(C)
         ok = (kpos[None, None, :] <= qpos[..., None]) & (kpos[None, None, :] < end[:, None, None])
         s = jnp.where(ok[:, None], s, -jnp.inf)                               # [B, H, T, C]
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        alpha = jnp.exp(m_i - m_safe)
-        p = jnp.exp(s - m_safe[..., None])
+        p, alpha, m_new, l_new = online_softmax_step(s, m_i, l_i)   # the kernels' update (base 2)
         acc = acc * alpha[..., None] + jnp.einsum("bhts,bshv->bhtv", p.astype(dtype), v,
                                                   precision=HIGHEST, preferred_element_type=F32)
-        return acc, m_new, l_i * alpha + jnp.sum(p, axis=-1)
+        return acc, m_new, l_new
 
     init = (jnp.zeros((B, H, T, dv), F32), jnp.full((B, H, T), -jnp.inf, F32), jnp.zeros((B, H, T), F32))
     n_steps = jnp.minimum(-(-jnp.max(end) // C), steps)
