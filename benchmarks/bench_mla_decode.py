@@ -33,6 +33,8 @@ kernel configurations x (16 heads; B 1 / 16 / 64; 32K / 128K; bf16 and fp8 cache
    "16x32768x128,1x131072x96" (B x ctx x heads) and MLA_BENCH_HEAD_CONFIGS="default,bk64s2"
    (names from CONFIGS; default "default,mixed-bf16"); MLA_BENCH_SHAPE_CONFIGS="default,p16": the
    names the 16-head shapes run (default: all).
+   Each case also reports the rate of a JAX copy moving the same bytes (profiler time, as for
+   the decode): at B1 a decode reads 19-76 MB, where a copy too pays launch and fill.
 Writes $OUT/bench_mla.json after every case and $OUT/bench_mla.log; prints a table last
 (% of the torch copy bandwidth; best config per shape).
 """
@@ -357,6 +359,9 @@ CHECKS = [   # (B, Tq, H, lengths, dtype, scale kind, cfg, page size)
     (4, 1, 16, [8191, 1, 0, 3000], "bf16", None, dict(lat_chunks=2), PAGE),
     (2, 4, 12, [3001, 64], "bf16", None, dict(lat_chunks=4, load="token"), 16),
     (2, 1, 128, [5000, 77], "bf16", None, dict(lat_chunks=2), PAGE),
+    # 64-row fp8 words blocks that spill less than the default's 376 bytes (offline, sm_90)
+    (2, 1, 128, [5000, 77], "fp8w", "token", dict(block_k=16, num_stages=3), PAGE),
+    (2, 4, 24, [3001, 64], "fp8w", "tensor", dict(block_k=64, num_stages=1), PAGE),
 ]
 # MLA_BENCH_CHECKS="0,3": only these checks (indices into CHECKS)
 _CHECK_IDS = os.environ.get("MLA_BENCH_CHECKS")
@@ -385,6 +390,21 @@ def pool(dtype):
 
 
 PERM = np.random.default_rng(0).permutation(POOL_PAGES).astype(np.int32)
+
+
+_SAME_SIZE_BW = {}
+
+
+def same_size_copy_bw(nbytes):
+    """GPU time (profiler) of a JAX elementwise copy moving `nbytes` in all (read + written), as
+    bytes/s: the copy rate at the decode's own size, where launch and fill are not amortised (a
+    B1 32K decode reads 38 MB; the main anchor above moves 4 GiB). None on CPU."""
+    if DRY or nbytes not in _SAME_SIZE_BW:
+        n = max(1024, nbytes // 4)
+        x = jax.random.normal(jax.random.key(5), (n,), jnp.bfloat16)
+        kt = None if DRY else kernel_times(jax.jit(lambda a: a * 2), x, reps=10)
+        _SAME_SIZE_BW[nbytes] = None if kt is None else 4 * n / (kt["total_us"] * 1e-6)
+    return _SAME_SIZE_BW[nbytes]
 
 
 def time_decode(B, ctx, dtype, name, cfg, heads=HEADS):
@@ -425,6 +445,9 @@ def time_decode(B, ctx, dtype, name, cfg, heads=HEADS):
     else:
         t = t_wall
     fc = full_cfg(B, ctx, dtype, cfg, heads)
+    same = same_size_copy_bw(bytes_read)
+    if same is not None:
+        info.update(same_size_copy_Bps=same, frac_same_size_copy=bytes_read / t / same)
     return dict(B=B, ctx=ctx, H=heads, dtype=dtype, name=name, cfg=fc, time_us=t * 1e6,
                 wall_us=t_wall * 1e6, bytes=bytes_read, Bps=bytes_read / t,
                 frac_copy=bytes_read / t / COPY_BW, n_inner=n_inner, R=R, **info)
@@ -435,11 +458,13 @@ def fmt(r):
     cs = (f"bh{c['block_h']} bk{c['block_k']} w{c['num_warps']} st{c['num_stages']} "
           f"sp{c['num_splits']} {c['load']} {c['merge']}-merge {c['partials']}"
           + (f" {c['fp8_upcast']} {c['fp8_dot']}" if r["dtype"] != "bf16" else ""))
+    same = (f" ({100 * r['frac_same_size_copy']:.1f}% of a same-size copy)"
+            if r.get("frac_same_size_copy") else "")
     ker = (f" (kernel {r['mla_kernel_us']:.1f}, span {r['span_us']:.1f}, wall "
            f"{r['wall_us']:.1f} us)" if "mla_kernel_us" in r else "")
     return (f"{r['dtype']:>4} H{r['H']:<3d} B{r['B']:<3d} {r['ctx'] // 1024:>4d}K "
             f"{r['name']:15s} {r['time_us']:9.1f} us {r['Bps'] / 1e12:5.2f} TB/s "
-            f"{100 * r['frac_copy']:5.1f}%  [{cs}]{ker}")
+            f"{100 * r['frac_copy']:5.1f}%{same}  [{cs}]{ker}")
 
 
 _SHAPE_CONFIGS = os.environ.get("MLA_BENCH_SHAPE_CONFIGS")   # names for the main loop only

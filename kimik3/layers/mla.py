@@ -75,26 +75,52 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=N
     use_kernel = T == 1 and resolve_backend(backend) != "reference" and width == CACHE_DIM
 
     def local(q_lat, q_rope, pool, table, start, n_new):
-        P_loc = pool.shape[1]
+        # The rank's keys one chunk of about HISTORY_CHUNK positions at a time (a prefill chunk
+        # of T queries over a long history never holds [B, H, T, S / n] scores), merged across
+        # ranks through each one's (max, sum, numerator).
         r = jax.lax.axis_index(dcp_axes)
         if paged:  # this rank's part of each of the row's pages, in position order
-            keys = read_cache(pool[table], cache_scale, q_lat.dtype).reshape(B, -1, width)
-            s = ((jnp.arange(table.shape[1]) * (P_loc * n))[:, None] + r * P_loc
-                 + jnp.arange(P_loc)[None, :]).reshape(-1)
+            P_loc = pool.shape[1]
+            per_step = max(1, HISTORY_CHUNK // P_loc)
+            page_span = P_loc * n                              # positions a whole page holds
+            position = lambda u: (u // P_loc) * page_span + r * P_loc + u % P_loc
+        else:      # row b holds positions r * S_loc .. in one block: cut it into sub-pages
+            S_loc = pool.shape[1]
+            P_loc = _largest_divisor_at_most(S_loc, HISTORY_CHUNK)
+            if P_loc * 8 < min(S_loc, HISTORY_CHUNK):   # no useful divisor: the block at once
+                P_loc = S_loc
+            k = S_loc // P_loc
+            pool = pool.reshape(B * k, P_loc, pool.shape[-1])
+            table = jnp.arange(B * k, dtype=jnp.int32).reshape(B, k)
+            per_step = 1
+            position = lambda u: r * S_loc + u
+        C = per_step * P_loc
+        steps = -(-table.shape[1] // per_step)
+        table = jnp.pad(table, ((0, 0), (0, steps * per_step - table.shape[1])))  # masked below
+        end = start + n_new
+        qpos = start[:, None] + jnp.arange(T)[None, :]
+        log2_scale = scale * math.log2(math.e)
+
+        def key_chunk(i):
+            pages = jax.lax.dynamic_slice_in_dim(table, i * per_step, per_step, axis=1)
+            keys = read_cache(pool[pages], cache_scale, q_lat.dtype).reshape(B, C, width)
+            s = (jnp.einsum("bthc,bsc->bhts", q_lat, keys[..., :R], precision=HIGHEST)
+                 + jnp.einsum("bthr,bsr->bhts", q_rope, keys[..., R:], precision=HIGHEST)
+                 ).astype(F32) * log2_scale
+            kpos = position(i * C + jnp.arange(C))
+            ok = (kpos[None, None, :] <= qpos[..., None]) & (kpos[None, None, :] < end[:, None, None])
+            return jnp.where(ok[:, None], s, -jnp.inf), lambda p: jnp.einsum(
+                "bhts,bsc->bhtc", p.astype(keys.dtype), keys[..., :R], precision=HIGHEST,
+                preferred_element_type=F32)
+
+        # only the chunks holding a position below the batch's longest end
+        if paged:
+            n_steps = jnp.minimum(-(-(-(-jnp.max(end) // page_span)) // per_step), steps)
         else:
-            keys = read_cache(pool, cache_scale, q_lat.dtype)
-            s = r * P_loc + jnp.arange(P_loc)
-        t = jnp.arange(T)
-        visible = (s[None, None, :] < (start + n_new)[:, None, None]) & (
-            s[None, None, :] <= (start[:, None] + t[None, :])[..., None])
-        scores = (jnp.einsum("bthc,bsc->bhts", q_lat, keys[..., :R], precision=HIGHEST)
-                  + jnp.einsum("bthr,bsr->bhts", q_rope, keys[..., R:], precision=HIGHEST)).astype(F32) * scale
-        scores = jnp.where(visible[:, None], scores, MASKED)
-        top = jax.lax.pmax(jnp.max(scores, axis=-1), dcp_axes)  # [B, H, T]
-        p = jnp.exp(scores - top[..., None])
-        denom = jax.lax.psum(jnp.sum(p, axis=-1), dcp_axes)
-        num = jax.lax.psum(jnp.einsum("bhts,bsc->bthc", p, keys[..., :R].astype(F32), precision=HIGHEST), dcp_axes)
-        return (num / jnp.moveaxis(denom, 1, 2)[..., None]).astype(q_lat.dtype)
+            n_steps = jnp.clip(-(-(jnp.max(end) - r * S_loc) // C), 0, steps)
+        acc, m_i, l_i = attend_in_chunks(n_steps, key_chunk, (B, q_lat.shape[2], T), R)
+        o = merge_over_ranks(acc, m_i, l_i, dcp_axes, jnp.exp2)
+        return jnp.swapaxes(o, 1, 2).astype(q_lat.dtype)          # [B, T, H, R]
 
     def local_kernel(q_lat, q_rope, pool, table, start, n_new):
         P_loc = pool.shape[1]
@@ -106,15 +132,27 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=N
         lengths = (full * P_loc + jnp.clip(part, 0, P_loc)).astype(jnp.int32)
         o, lse = mla_decode(jnp.concatenate([q_lat, q_rope], -1), pool, table, lengths, scale=scale,
                             backend=backend, out_dtype=F32, cache_scale=cache_scale)
-        top = jax.lax.pmax(lse, dcp_axes)                          # [B, 1, H]; -inf: no key anywhere
-        w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # 0 on a rank with no key
-        denom = jax.lax.psum(w, dcp_axes)
-        num = jax.lax.psum(o * w[..., None], dcp_axes)
-        return (num / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(q_lat.dtype)
+        # the kernel's o is normalised, so each rank's sum is 1 (weight 0 where lse is -inf)
+        return merge_over_ranks(o, lse, jnp.ones_like(lse), dcp_axes, jnp.exp).astype(q_lat.dtype)
 
     return shard_map(local_kernel if use_kernel else local, mesh=mesh,
                      in_specs=(P(), P(), P(None, dcp_axes, None), P(), P(), P()), out_specs=P(),
                      check_vma=False)(q_lat, q_rope, cache, table, start, n_new)
+
+
+def merge_over_ranks(acc, m, l, axes, exp):
+    """Exact merge of per-rank partial attention: acc [..., X] (numerator), m [...] (max score
+    or log-sum-exp, in the base of `exp`), l [...] (sum of weights): a global max (pmax), each
+    rank's terms rescaled by exp(m - max), then psum. A rank with m = -inf adds nothing; a row
+    with no key on any rank gives 0."""
+    top = jax.lax.pmax(m, axes)
+    w = exp(m - jnp.where(jnp.isfinite(top), top, 0.0))
+    return normalise(jax.lax.psum(acc * w[..., None], axes), jax.lax.psum(l * w, axes))
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    """The largest divisor of n that is <= cap (n itself when n <= cap)."""
+    return next(d for d in range(min(n, cap), 0, -1) if n % d == 0)
 
 
 def per_head_shards(fn, head_args, shared_args, num_heads):
@@ -153,8 +191,7 @@ def history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, s
     qpos = start[:, None] + jnp.arange(T)[None, :]                             # [B, T]
     log2_scale = scale * math.log2(math.e)
 
-    def step(i, carry):
-        acc, m_i, l_i = carry
+    def key_chunk(i):
         pages = jax.lax.dynamic_slice_in_dim(table, i * per_step, per_step, axis=1)
         keys = read_cache(latent[pages], cache_scale, dtype).reshape(B, C, -1)
         k_nope = jnp.einsum("bsc,chn->bshn", keys[..., :R], w_uk, precision=HIGHEST)
@@ -163,17 +200,33 @@ def history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, s
              + jnp.einsum("bthr,bsr->bhts", q_rope, keys[..., R:], precision=HIGHEST)).astype(F32) * log2_scale
         kpos = i * C + jnp.arange(C)
         ok = (kpos[None, None, :] <= qpos[..., None]) & (kpos[None, None, :] < end[:, None, None])
-        s = jnp.where(ok[:, None], s, -jnp.inf)                               # [B, H, T, C]
-        p, alpha, m_new, l_new = online_softmax_step(s, m_i, l_i)   # the kernels' update (base 2)
-        acc = acc * alpha[..., None] + jnp.einsum("bhts,bshv->bhtv", p.astype(dtype), v,
-                                                  precision=HIGHEST, preferred_element_type=F32)
-        return acc, m_new, l_new
+        return jnp.where(ok[:, None], s, -jnp.inf), lambda p: jnp.einsum(   # [B, H, T, C]
+            "bhts,bshv->bhtv", p.astype(dtype), v, precision=HIGHEST, preferred_element_type=F32)
 
-    init = (jnp.zeros((B, H, T, dv), F32), jnp.full((B, H, T), -jnp.inf, F32), jnp.zeros((B, H, T), F32))
     n_steps = jnp.minimum(-(-jnp.max(end) // C), steps)
-    acc, _, l_i = jax.lax.fori_loop(0, n_steps, step, init)
-    o = jnp.where((l_i > 0)[..., None], acc / jnp.where(l_i > 0, l_i, 1.0)[..., None], 0.0)
-    return jnp.swapaxes(o, 1, 2).astype(dtype)
+    acc, _, l_i = attend_in_chunks(n_steps, key_chunk, (B, H, T), dv)
+    return jnp.swapaxes(normalise(acc, l_i), 1, 2).astype(dtype)
+
+
+def attend_in_chunks(n_steps, chunk, shape, width):
+    """Softmax attention one key chunk at a time (online softmax, base 2): chunk(i) returns the
+    masked scores s [*shape, C] (times scale * log2 e; -inf = not visible) and pv(p) -> the
+    chunk's p @ values [*shape, width] in fp32. Runs chunks 0 .. n_steps - 1 (a traced bound);
+    returns the unnormalised (acc [*shape, width], running max m, sum l) in base 2, so a caller
+    can normalise or merge them with other shards' (rows without a visible key: m -inf, l 0)."""
+    def step(i, carry):
+        acc, m_i, l_i = carry
+        s, pv = chunk(i)
+        p, alpha, m_new, l_new = online_softmax_step(s, m_i, l_i)   # the kernels' update
+        return acc * alpha[..., None] + pv(p), m_new, l_new
+
+    init = (jnp.zeros((*shape, width), F32), jnp.full(shape, -jnp.inf, F32), jnp.zeros(shape, F32))
+    return jax.lax.fori_loop(0, n_steps, step, init)
+
+
+def normalise(acc, l_i):
+    """acc / l from `attend_in_chunks`, 0 where a row saw no key."""
+    return jnp.where((l_i > 0)[..., None], acc / jnp.where(l_i > 0, l_i, 1.0)[..., None], 0.0)
 
 
 def _softmax_attend(scores, mask, values_fn):
