@@ -53,8 +53,10 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=N
     page_table [B, pages per row]; either way its second axis is split over `dcp_axes`, so rank r
     holds positions r * P/n .. (r + 1) * P/n - 1 of every page (of every row when contiguous).
     One-token decode on a 576-wide cache with a kernel backend runs the Pallas flash-decoding
-    kernel on the rank's slice (its (o, lse) merged the same way); verify (T > 1) and the reference
-    backend attend in plain JAX. cache_scale: an fp8 cache in words (mla_cache_dtype "fp8")."""
+    kernel on the rank's slice (its (o, lse) merged the same way); prefill chunks and verifies
+    (T > 1) and the reference backend attend in plain JAX, each rank walking its slice
+    HISTORY_CHUNK positions at a time (no [B, H, T, S / n] scores). cache_scale: an fp8 cache in
+    words (mla_cache_dtype "fp8")."""
     from jax import shard_map
     from jax.sharding import PartitionSpec as P
 
