@@ -244,10 +244,14 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     of "words" (B16 32K / B64 128K, each against the default in the same call: call 1 default
     65.6 / 70.0, 8 warps 49.0 / 54.6, 4 stages 58.7 / 67.0; call 2 default 68.9 / 76.6, 2 stages
     62.0 / 70.6, 32-key blocks at 4 stages 56.8 / 63.6, at 6 stages 55.0 / 62.1; call 5
-    "words_int" 64.1 / 70.2 against 70.3 / 77.6). 32-key blocks, 8 warps, 2 stages, lat_chunks
-    0 at 64-row blocks (compiles without spilling much offline; 128 heads B16 32K 1298 us
-    "words_pairs", 1301 "words", against bf16's 570: compute-bound, as the float8 cache's kernel
-    is; lat_chunks 2 1555 us); "words_int" on ROCm (no PTX there; not run on AMD).
+    "words_int" 64.1 / 70.2 against 70.3 / 77.6). 64-row blocks (96-128 heads, as under DCP):
+    "words", 64-key blocks, 8 warps, 2 stages, lat_chunks 0: H200 2026-12-03 call 5, 128 heads
+    B16 32K / 96 heads B64 16K / 128 heads B1 128K 1071.8 / 2155.6 / 278.7 us against 1307.2 /
+    2503.7 / 344.5 for the previous "words_pairs" 32-key 2-stage blocks (32-key 3-4 stages and
+    "words" 32-key within 4%; 16-key blocks, which spill least offline, 1.6x slower; 64-key
+    "pairs" at 1 stage 1092.3 / 2225.2 / 287.3); still 1.9x bf16's time there (569.7 / 1136.6
+    / 157.9 us): the conversion is one more serial phase of a step in a kernel bound by its
+    step's latency (1 program an SM); "words_int" on ROCm (no PTX there; not run on AMD).
     fp8 (float8 cache): 64-key blocks, 8 warps, 3 stages, "operand" upcast with fp16 dots: the
     fastest float8 configuration of the 2026-11-30 run at every 16-head shape (GPU time; 26.7% / 29.3% / 21.4%
     of copy bandwidth at B16 32K / B64 128K / B1 128K, 1.35-1.48x faster than the "mixed" bf16
@@ -262,8 +266,9 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     rocm = (platform or kernel_platform()) == "rocm"
     lat_chunks = 0
     if words:
-        fp8_upcast = "words_int" if rocm else "words_pairs"
-        block_k, num_warps, num_stages = (64, 4, 3) if block_h == 16 else (32, 8, 2)
+        # 64-row blocks (wgmma): "words" converts each tile once for both dots ("pairs" twice)
+        fp8_upcast = "words_int" if rocm else ("words_pairs" if block_h == 16 else "words")
+        block_k, num_warps, num_stages = (64, 4, 3) if block_h == 16 else (64, 8, 2)
         lat_chunks = 1 if (block_h == 16 and not rocm) else 0     # measured: see the docstring
     elif block_h == 64 and itemsize == 2:         # measured (see above)
         block_k, num_warps, num_stages = 64, 8, 2
