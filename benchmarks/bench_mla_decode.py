@@ -363,7 +363,6 @@ CHECKS = [   # (B, Tq, H, lengths, dtype, scale kind, cfg, page size)
     (2, 1, 128, [5000, 77], "fp8w", "token", dict(block_k=16, num_stages=3), PAGE),
     (2, 4, 24, [3001, 64], "fp8w", "tensor", dict(block_k=64, num_stages=1), PAGE),
     (2, 4, 16, [3001, 64], "fp8w", "token", {}, PAGE),    # 64 rows at the default ("words")
-    (2, 1, 128, [5000, 77], "fp8w", "token", dict(num_stages=3), PAGE),
 ]
 # MLA_BENCH_CHECKS="0,3": only these checks (indices into CHECKS)
 _CHECK_IDS = os.environ.get("MLA_BENCH_CHECKS")
