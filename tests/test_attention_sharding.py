@@ -123,11 +123,11 @@ def _causal_oracle(q_lat, q_rope, keys, start, n_new, scale):
     pos = jnp.arange(keys.shape[1])
     qpos = start[:, None] + jnp.arange(q_lat.shape[1])[None, :]
     ok = (pos[None, None, :] <= qpos[..., None]) & (pos[None, None, :] < (start + n_new)[:, None, None])
-    p = jax_softmax_masked(s, ok[:, None])
+    p = _masked_softmax(s, ok[:, None])
     return jnp.einsum("bhts,bsc->bthc", p, keys[..., :R])
 
 
-def jax_softmax_masked(s, ok):
+def _masked_softmax(s, ok):
     s = jnp.where(ok, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))

@@ -249,7 +249,7 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     B16 32K / 96 heads B64 16K / 128 heads B1 128K 1071.8 / 2155.6 / 278.7 us against 1307.2 /
     2503.7 / 344.5 for the previous "words_pairs" 32-key 2-stage blocks (32-key 3-4 stages and
     "words" 32-key within 4%; 16-key blocks, which spill least offline, 1.6x slower; 64-key
-    "pairs" at 1 stage 1092.3 / 2225.2 / 287.3); still 1.9x bf16's time there (569.7 / 1136.6
+    "pairs" at 1 stage 1092.3 / 2225.2 / 287.3); still 1.8-1.9x bf16's time there (569.7 / 1136.6
     / 157.9 us): the conversion is one more serial phase of a step in a kernel bound by its
     step's latency (1 program an SM); "words_int" on ROCm (no PTX there; not run on AMD).
     fp8 (float8 cache): 64-key blocks, 8 warps, 3 stages, "operand" upcast with fp16 dots: the

@@ -97,7 +97,7 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=N
             per_step = 1
             position = lambda u: r * S_loc + u
         C = per_step * P_loc
-        steps = -(-table.shape[1] // per_step)
+        steps = _cdiv(table.shape[1], per_step)
         table = jnp.pad(table, ((0, 0), (0, steps * per_step - table.shape[1])))  # masked below
         end = start + n_new
         qpos = start[:, None] + jnp.arange(T)[None, :]
@@ -110,16 +110,15 @@ def dcp_attention(q_lat, q_rope, cache, start, n_new, scale, dcp_axes, backend=N
                  + jnp.einsum("bthr,bsr->bhts", q_rope, keys[..., R:], precision=HIGHEST)
                  ).astype(F32) * log2_scale
             kpos = position(i * C + jnp.arange(C))
-            ok = (kpos[None, None, :] <= qpos[..., None]) & (kpos[None, None, :] < end[:, None, None])
-            return jnp.where(ok[:, None], s, -jnp.inf), lambda p: jnp.einsum(
+            return jnp.where(visible(kpos, qpos, end)[:, None], s, -jnp.inf), lambda p: jnp.einsum(
                 "bhts,bsc->bhtc", p.astype(keys.dtype), keys[..., :R], precision=HIGHEST,
                 preferred_element_type=F32)
 
         # only the chunks holding a position below the batch's longest end
         if paged:
-            n_steps = jnp.minimum(-(-(-(-jnp.max(end) // page_span)) // per_step), steps)
+            n_steps = jnp.minimum(_cdiv(_cdiv(jnp.max(end), page_span), per_step), steps)
         else:
-            n_steps = jnp.clip(-(-(jnp.max(end) - r * S_loc) // C), 0, steps)
+            n_steps = jnp.clip(_cdiv(jnp.max(end) - r * S_loc, C), 0, steps)
         acc, m_i, l_i = attend_in_chunks(n_steps, key_chunk, (B, q_lat.shape[2], T), R)
         o = merge_over_ranks(acc, m_i, l_i, dcp_axes, jnp.exp2)
         return jnp.swapaxes(o, 1, 2).astype(q_lat.dtype)          # [B, T, H, R]
@@ -150,6 +149,16 @@ def merge_over_ranks(acc, m, l, axes, exp):
     top = jax.lax.pmax(m, axes)
     w = exp(m - jnp.where(jnp.isfinite(top), top, 0.0))
     return normalise(jax.lax.psum(acc * w[..., None], axes), jax.lax.psum(l * w, axes))
+
+
+def visible(kpos, qpos, end):
+    """[B, T, S]: query t of row b (at position qpos[b, t]) sees key position kpos[s] when it is
+    causal (kpos <= qpos) and already written (kpos < end[b] = start + n_new)."""
+    return (kpos[None, None, :] <= qpos[..., None]) & (kpos[None, None, :] < end[:, None, None])
+
+
+def _cdiv(a, b):
+    return -(-a // b)
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
@@ -187,7 +196,7 @@ def history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, s
     R, dv = w_uk.shape[0], w_uv.shape[-1]
     per_step = max(1, chunk // P)               # whole pages a step
     C = per_step * P
-    steps = -(-table.shape[1] // per_step)
+    steps = _cdiv(table.shape[1], per_step)
     table = jnp.pad(table, ((0, 0), (0, steps * per_step - table.shape[1])))  # masked below
     end = start + n_new
     qpos = start[:, None] + jnp.arange(T)[None, :]                             # [B, T]
@@ -201,11 +210,10 @@ def history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, s
         s = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, precision=HIGHEST)
              + jnp.einsum("bthr,bsr->bhts", q_rope, keys[..., R:], precision=HIGHEST)).astype(F32) * log2_scale
         kpos = i * C + jnp.arange(C)
-        ok = (kpos[None, None, :] <= qpos[..., None]) & (kpos[None, None, :] < end[:, None, None])
-        return jnp.where(ok[:, None], s, -jnp.inf), lambda p: jnp.einsum(   # [B, H, T, C]
+        return jnp.where(visible(kpos, qpos, end)[:, None], s, -jnp.inf), lambda p: jnp.einsum(
             "bhts,bshv->bhtv", p.astype(dtype), v, precision=HIGHEST, preferred_element_type=F32)
 
-    n_steps = jnp.minimum(-(-jnp.max(end) // C), steps)
+    n_steps = jnp.minimum(_cdiv(jnp.max(end), C), steps)
     acc, _, l_i = attend_in_chunks(n_steps, key_chunk, (B, H, T), dv)
     return jnp.swapaxes(normalise(acc, l_i), 1, 2).astype(dtype)
 
@@ -274,7 +282,7 @@ class MLA(nn.Module):
         use_kernel = False
         if cache is None:
             keys, key_pos = entries, t[None, :].repeat(B, 0)
-            visible = key_pos[:, None, :] <= t[None, :, None]  # [B, T, S]
+            visible_keys = key_pos[:, None, :] <= t[None, :, None]  # [B, T, S]
             new_cache = None
         else:
             # The cache is pages [num_pages, P, C] and a page table [B, pages per row]; without a
@@ -303,8 +311,7 @@ class MLA(nn.Module):
                 keys = read_cache(latent[table], cscale, dt).reshape(B, S, R + dr)
                 s = jnp.arange(S)
                 end = start + n_new
-                visible = (s[None, None, :] < end[:, None, None]) & (
-                    s[None, None, :] <= (start[:, None] + t[None, :])[..., None])
+                visible_keys = visible(s, pos, end)
 
         if use_kernel:  # one-token decode: the Pallas flash-decoding kernel reads the pages directly
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
@@ -321,7 +328,7 @@ class MLA(nn.Module):
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
             scores = (jnp.einsum("bthc,bsc->bhts", q_lat, lat_k, precision=HIGHEST)
                       + jnp.einsum("bthr,bsr->bhts", q_rope, rot_k, precision=HIGHEST)) * scale
-            o_lat = _softmax_attend(scores, visible[:, None], lambda p: jnp.einsum(
+            o_lat = _softmax_attend(scores, visible_keys[:, None], lambda p: jnp.einsum(
                 "bhts,bsc->bthc", p.astype(dt), lat_k, precision=HIGHEST))
             o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
         elif cache is not None:  # chunked prefill over the cached history: no T x S scores
@@ -344,7 +351,7 @@ class MLA(nn.Module):
             v = jnp.einsum("bsc,chv->bshv", lat_k, w_uv, precision=HIGHEST)
             scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, precision=HIGHEST)
                       + jnp.einsum("bthr,bsr->bhts", q_rope, rot_k, precision=HIGHEST)) * scale
-            o = _softmax_attend(scores, visible[:, None], lambda p: jnp.einsum(
+            o = _softmax_attend(scores, visible_keys[:, None], lambda p: jnp.einsum(
                 "bhts,bshv->bthv", p.astype(dt), v, precision=HIGHEST))
 
         o = o.reshape(B, T, H * dv).astype(dt)
