@@ -1,6 +1,6 @@
 import kimik3
 from kimik3.checkpoint.hf_export import export_hf
-from kimik3.cli import main
+from serve.cli import main
 
 
 def test_generate_from_a_preset(capsys):

@@ -1,4 +1,6 @@
-"""Command line: `kimik3 generate --model tiny --prompt "..."`."""
+"""Command line: `kimik3 generate --model tiny --prompt "..."`, `kimik3 batch ...`.
+
+It lives in serve/ (the top layer) because its subcommands drive the engine; kimik3 never imports serve."""
 from __future__ import annotations
 
 import argparse
