@@ -1,6 +1,17 @@
 """Command line: `kimik3 generate --model tiny --prompt "..."`, `kimik3 batch ...`.
 
-It lives in serve/ (the top layer) because its subcommands drive the engine; kimik3 never imports serve."""
+It lives in serve/ (the top layer) because its subcommands drive the engine; kimik3 never imports serve.
+
+Every failure a user can cause ends in one line on stderr and a non-zero exit (2: bad flags, paths,
+checkpoints or configs; 1: anything unexpected); `--debug` shows the traceback instead. Flags are
+checked when parsed or by the subcommand before any model is built.
+
+Adding a subcommand: a module with `add_parser(subparsers)` that calls `subparsers.add_parser(...)`,
+adds its flags (the shared sets below: add_model_flags, add_sampling_flags, add_mesh_flags) and
+`set_defaults(run=fn)`, where fn(args) returns the exit status and raises UsageError (or ValueError,
+OSError) for what the user got wrong; then list its add_parser in SUBCOMMANDS. Keep its module cheap
+to import (import JAX, kimik3 and servers inside fn): every command parses through it.
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,28 +19,159 @@ import os
 import sys
 import time
 
+DEFAULT_MODEL = "tiny"
 
-def _load(args):
-    """(model, tokenizer, where the weights came from) for a preset name or a checkpoint dir."""
+
+class UsageError(Exception):
+    """Something the user gave (a flag, a path, a file) is wrong: printed as one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (argparse prints the usage block before it)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- flag types: a bad value is refused while parsing, before anything is built ----
+def _int_at_least(low):
+    def parse(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {s!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _float_in(low, high=None, low_open=False):
+    want = (f"> {low}" if low_open else f">= {low}") + ("" if high is None else f" and <= {high}")
+
+    def parse(s):
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number {want}, got {s!r}") from None
+        if not (v > low if low_open else v >= low) or (high is not None and not v <= high):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {s}")
+        return v
+    parse.__name__ = f"number {want}"
+    return parse
+
+
+_positive = _int_at_least(1)
+_non_negative = _int_at_least(0)
+
+
+# ---- shared flag sets ----
+def add_common_flags(p):
+    """--debug (tracebacks) and --compilation-cache: every subcommand has them."""
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="on an error show the Python traceback instead of one line")
+    p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
+                   help="where JAX keeps compiled programs between runs (a second run loads them instead "
+                        "of compiling); default: $KIMIK3_COMPILATION_CACHE, else $JAX_COMPILATION_CACHE_DIR, "
+                        "else $XDG_CACHE_HOME/kimik3/jax or ~/.cache/kimik3/jax; off: no cache")
+
+
+def add_model_flags(p):
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a preset (tiny, tiny-linear, kimi-linear-48b, kimi-k3: random weights) or a checkpoint "
+                        f"directory (HF safetensors or kimik3.save); default {DEFAULT_MODEL}")
+    p.add_argument("--mxfp4-layout", choices=("k3", "paired"), default=None,
+                   help="MXFP4 experts' byte layout in memory: paired = re-encoded at load for the faster "
+                        "CUDA decode kernel (NVIDIA only); default: paired for an HF checkpoint on an NVIDIA "
+                        "GPU with bf16 activations, else as stored")
+    p.add_argument("--mla-cache", choices=("auto", "fp8"), default="auto",
+                   help="MLA cache storage: auto = the activation dtype; fp8 = e4m3 (per-tensor scale "
+                        "Config.mla_cache_scale, 1.0 unless set), half of bf16's bytes, and the faster fp8 "
+                        "path of the decode kernel")
+    p.add_argument("--mla-cache-scale", type=_float_in(0, low_open=True), default=None,
+                   help="the fp8 cache's per-tensor scale (values are stored as e4m3(v / scale), "
+                        "clipped at 448); kimik3.calibrate_mla_cache_scale(model, prompts) measures one")
+
+
+def add_sampling_flags(p, max_new_tokens: int, stop: bool = True):
+    p.add_argument("--max-new-tokens", type=_positive, default=max_new_tokens,
+                   help=f"most tokens to generate per prompt (default {max_new_tokens})")
+    p.add_argument("--temperature", type=_float_in(0), default=0.0,
+                   help="sampling temperature; 0 = greedy (default)")
+    p.add_argument("--top-k", type=_non_negative, default=0, help="sample from the k likeliest tokens; 0 = all")
+    p.add_argument("--top-p", type=_float_in(0, 1, low_open=True), default=1.0,
+                   help="sample from the smallest set of tokens whose probability reaches p; 1 = all")
+    p.add_argument("--seed", type=_non_negative, default=0,
+                   help="sampling seed (and a preset's random weights)")
+    if stop:
+        p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="stop where the generated text contains TEXT (left out of the text); repeatable")
+
+
+def add_mesh_flags(p):
+    p.add_argument("--tensor", type=_positive, default=1, help="tensor parallelism over this many devices")
+    p.add_argument("--dcp", type=_positive, default=1,
+                   help="decode context parallelism: split every sequence's MLA cache positions over this "
+                        "many devices (devices used: tensor x dcp)")
+
+
+# ---- what the shared flags build ----
+def check_model_flags(args) -> str:
+    """"preset" or "dir" for --model, or UsageError; also the flags that depend on it. Cheap."""
     import kimik3
 
     if os.path.isdir(args.model):
-        model = _with_mla_cache(kimik3.load(args.model, mxfp4_layout=args.mxfp4_layout), args)
+        kind = "dir"
+    elif args.model in kimik3.PRESETS:
+        kind = "preset"
+    elif os.path.exists(args.model):
+        raise UsageError(f"--model {args.model}: not a directory (a checkpoint is a directory with "
+                         "config.json and *.safetensors, or a kimik3.save directory)")
+    else:
+        raise UsageError(f"no such checkpoint directory: {args.model} (nor a preset: "
+                         f"{', '.join(kimik3.PRESETS)})")
+    if kind == "preset" and args.mxfp4_layout not in (None, "k3"):
+        raise UsageError("--mxfp4-layout applies to checkpoint directories (a preset's random weights "
+                         "are built in the K3 layout)")
+    if args.mla_cache_scale is not None and args.mla_cache != "fp8":
+        raise UsageError("--mla-cache-scale is the fp8 cache's scale: give it with --mla-cache fp8")
+    return kind
+
+
+def make_mesh(args):
+    """The --tensor x --dcp mesh (None for one device), or UsageError when the devices are too few."""
+    if args.tensor == 1 and args.dcp == 1:
+        return None
+    import sharding
+
+    try:
+        return sharding.make_mesh(tensor=args.tensor, dcp=args.dcp)
+    except ValueError as e:
+        raise UsageError(f"--tensor {args.tensor} --dcp {args.dcp}: {e}") from None
+
+
+def load_model(args, kind: str, mesh=None):
+    """(model, tokenizer, where the weights came from); `kind` from check_model_flags."""
+    import kimik3
+
+    if kind == "dir":
+        model = kimik3.load(args.model, mesh=mesh, mxfp4_layout=args.mxfp4_layout)
         has_bpe = os.path.exists(os.path.join(args.model, "tiktoken.model"))
         tok = kimik3.load_tokenizer(args.model) if has_bpe else kimik3.default_tokenizer(model.cfg)
-        return model, tok, args.model
-    if args.mxfp4_layout not in (None, "k3"):
-        raise ValueError("--mxfp4-layout applies to checkpoint directories (a preset's random weights "
-                         "are built in the K3 layout)")
-    model = _with_mla_cache(kimik3.init(kimik3.Config.preset(args.model), seed=args.seed), args)
-    return model, kimik3.default_tokenizer(model.cfg), f"random weights, seed {args.seed}"
+        origin = args.model
+    else:
+        model = kimik3.init(kimik3.Config.preset(args.model), seed=args.seed, mesh=mesh)
+        tok = kimik3.default_tokenizer(model.cfg)
+        origin = f"random weights, seed {args.seed}"
+    if mesh is not None:
+        origin += f"; mesh tensor={args.tensor} dcp={args.dcp}"
+    return _with_mla_cache(model, args), tok, origin
 
 
 def _with_mla_cache(model, args):
     """--mla-cache fp8 [--mla-cache-scale S]: the MLA cache as e4m3 (the weights are unchanged)."""
     if args.mla_cache == "auto":
-        if args.mla_cache_scale is not None:
-            raise ValueError("--mla-cache-scale is the fp8 cache's scale: give it with --mla-cache fp8")
         return model
     fields = {"mla_cache_dtype": args.mla_cache}
     if args.mla_cache_scale is not None:
@@ -37,124 +179,153 @@ def _with_mla_cache(model, args):
     return model.replace(cfg=model.cfg.replace(**fields))
 
 
+def _dcp_axes(args):
+    return ("dcp",) if args.dcp > 1 else ()
+
+
+# ---- generate ----
+def _cut_at_stop(tok, tokens, stops):
+    """(tokens up to the one that completes the first stop text, the text before it); as the engine."""
+    for n in range(1, len(tokens) + 1):
+        text = tok.decode(tokens[:n])
+        hits = [text.index(s) for s in stops if s in text]
+        if hits:
+            return tokens[:n], text[:min(hits)]
+    return tokens, tok.decode(tokens)
+
+
+def _generate(args) -> int:
+    import kimik3
+
+    kind = check_model_flags(args)
+    mesh = make_mesh(args)
+    t0 = time.perf_counter()
+    model, tok, origin = load_model(args, kind, mesh)
+    cfg = model.cfg
+    t1 = time.perf_counter()
+    prompt = (tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
+              else tok.encode(args.prompt, add_bos=True))
+    out = kimik3.generate(model, [prompt], max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed, tokenizer=tok, mesh=mesh, dcp_axes=_dcp_axes(args))[0]
+    out, text = _cut_at_stop(tok, out, args.stop) if args.stop else (out, tok.decode(out))
+    t2 = time.perf_counter()
+    print(f"model {cfg.name} ({origin}); prompt: {args.prompt!r}")
+    print(f"tokens: {out}")
+    print(f"text:   {text!r}")
+    print(f"{len(out)} tokens in {t2 - t1:.2f}s (includes compilation; init {t1 - t0:.2f}s)")
+    return 0
+
+
+def _add_generate(sub):
+    g = sub.add_parser("generate", help="generate a continuation of one prompt",
+                       description="Generate a continuation of one prompt and print its tokens and text.")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    add_model_flags(g)
+    add_sampling_flags(g, max_new_tokens=32)
+    add_mesh_flags(g)
+    add_common_flags(g)
+    g.set_defaults(run=_generate)
+
+
+# ---- batch ----
 def _batch(args) -> int:
+    kind = check_model_flags(args)
+    if not os.path.isfile(args.input):
+        raise UsageError(f"--input {args.input}: no such file")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if os.path.isdir(args.output):
+        raise UsageError(f"--output {args.output} is a directory; give a file name (results.jsonl)")
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"--output {args.output}: no such directory {out_dir}")
+    if args.page_size % args.dcp:
+        raise UsageError(f"--page-size {args.page_size} must be a multiple of the DCP size {args.dcp} (--dcp)")
+    mesh = make_mesh(args)
     from serve.batch import run_batch
 
-    try:
-        model, tok, origin = _load(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"kimik3: {e}", file=sys.stderr)
-        return 2
-    if not os.path.exists(args.input):
-        print(f"kimik3: no input file {args.input}", file=sys.stderr)
-        return 2
-    dcp_axes = ()
-    if args.tensor > 1 or args.dcp > 1:
-        import sharding
-
-        try:  # TP over `tensor`; DCP over its own axis (DCP ranks hold their own weight copies)
-            mesh = sharding.make_mesh(tensor=args.tensor, dcp=args.dcp)
-        except ValueError as e:
-            print(f"kimik3: --tensor {args.tensor} --dcp {args.dcp}: {e}", file=sys.stderr)
-            return 2
-        model = sharding.place_model(model, mesh)
-        dcp_axes = ("dcp",) if args.dcp > 1 else ()
-        origin += f"; mesh tensor={args.tensor} dcp={args.dcp}"
+    model, tok, origin = load_model(args, kind, mesh)
     print(f"kimik3 batch: model {model.cfg.name} ({origin})", file=sys.stderr)
-    try:
-        summary = run_batch(model, args.input, args.output, tok, dcp_axes=dcp_axes,
-                            defaults=dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                          top_k=args.top_k, top_p=args.top_p, seed=args.seed),
-                            max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                            prefill_chunk=args.prefill_chunk, progress=not args.quiet)
-    except ValueError as e:  # engine settings (what was written so far stays; a re-run resumes)
-        print(f"kimik3: {e}", file=sys.stderr)
-        return 2
+    summary = run_batch(model, args.input, args.output, tok, dcp_axes=_dcp_axes(args),
+                        defaults=dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed),
+                        max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
+                        prefill_chunk=args.prefill_chunk, progress=not args.quiet)
     print(f"kimik3 batch: {summary['requests']} requests, {summary['tokens']} tokens in {summary['seconds']:.1f}s "
           f"({summary['tokens_per_s']:.1f} tok/s), {summary['errors']} errors, {summary['skipped']} already done",
           file=sys.stderr)
     return 0
 
 
-def _generate(args) -> int:
-    import kimik3
+def _add_batch(sub):
+    b = sub.add_parser("batch", help="offline generation over a JSONL file (resumable)",
+                       description="Generate for every line of a JSONL file; results are appended as they "
+                                   "finish and a rerun skips the ids already written.")
+    b.add_argument("--input", required=True, help="prompts.jsonl: {id, prompt | messages, [sampling fields]}")
+    b.add_argument("--output", required=True, help="results.jsonl (appended; ids already there are skipped)")
+    add_model_flags(b)
+    add_sampling_flags(b, max_new_tokens=64, stop=False)  # per-line "stop" fields
+    b.add_argument("--max-batch", type=_positive, default=8, help="most requests decoded together")
+    b.add_argument("--max-seq-len", type=_positive, default=1024, help="most tokens (prompt + output) a request holds")
+    b.add_argument("--page-size", type=_positive, default=16,
+                   help="MLA cache positions per page (a multiple of --dcp)")
+    b.add_argument("--prefill-chunk", type=_positive, default=32, help="prompt tokens prefilled per step and request")
+    add_mesh_flags(b)
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_common_flags(b)
+    b.set_defaults(run=_batch)
 
-    t0 = time.perf_counter()
+
+SUBCOMMANDS = [_add_generate, _add_batch]
+
+
+def _version() -> str:
+    from importlib import metadata
+
     try:
-        model, tok, origin = _load(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"kimik3: {e}", file=sys.stderr)
-        return 2
-    cfg = model.cfg
-    t1 = time.perf_counter()
-    try:
-        prompt = (tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
-                  else tok.encode(args.prompt, add_bos=True))
-        out = kimik3.generate(model, [prompt], max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed, tokenizer=tok)[0]
-    except ValueError as e:
-        print(f"kimik3: {e}", file=sys.stderr)
-        return 2
-    t2 = time.perf_counter()
-    print(f"model {cfg.name} ({origin}); prompt: {args.prompt!r}")
-    print(f"tokens: {out}")
-    print(f"text:   {tok.decode(out)!r}")
-    print(f"{len(out)} tokens in {t2 - t1:.2f}s (includes compilation; init {t1 - t0:.2f}s)")
-    return 0
+        return metadata.version("kimik3")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kimik3", description="Kimi K3 / Kimi Linear inference in JAX")
+    p.add_argument("--version", action="version", version=f"kimik3 {_version()}",
+                   help="print the version and exit")
+    p.add_argument("--debug", action="store_true", help="on an error show the Python traceback instead of one line")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_parser in SUBCOMMANDS:
+        add_parser(sub)
+    return p
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if isinstance(e, (UsageError, ValueError, OSError)) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 / Kimi Linear inference in JAX")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate a continuation of one prompt")
-    g.add_argument("--model", default="tiny",
-                   help="a preset (tiny, tiny-linear, kimi-linear-48b, kimi-k3: random weights) or a checkpoint "
-                        "directory (HF safetensors or kimik3.save)")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    g.add_argument("--mxfp4-layout", choices=("k3", "paired"), default=None,
-                   help="MXFP4 experts' byte layout in memory: paired = re-encoded at load for the faster "
-                        "CUDA decode kernel (NVIDIA only); default: paired for an HF checkpoint on an NVIDIA "
-                        "GPU with bf16 activations, else as stored")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--mla-cache", choices=("auto", "fp8"), default="auto",
-                   help="MLA cache storage: auto = the activation dtype; fp8 = e4m3 (per-tensor scale "
-                        "Config.mla_cache_scale, 1.0 unless set), half of bf16's bytes, and the faster fp8 "
-                        "path of the decode kernel")
-    g.add_argument("--mla-cache-scale", type=float, default=None,
-                   help="the fp8 cache's per-tensor scale (values are stored as e4m3(v / scale), "
-                        "clipped at 448); kimik3.calibrate_mla_cache_scale(model, prompts) measures one")
-    b = sub.add_parser("batch", help="offline generation over a JSONL file (resumable)")
-    b.add_argument("--model", default="tiny", help="a preset or a checkpoint directory")
-    b.add_argument("--mxfp4-layout", choices=("k3", "paired"), default=None,
-                   help="MXFP4 experts' byte layout in memory (see generate --help)")
-    b.add_argument("--input", required=True, help="prompts.jsonl: {id, prompt | messages, [sampling fields]}")
-    b.add_argument("--output", required=True, help="results.jsonl (appended; ids already there are skipped)")
-    b.add_argument("--max-new-tokens", type=int, default=64)
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--top-k", type=int, default=0)
-    b.add_argument("--top-p", type=float, default=1.0)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--mla-cache", choices=("auto", "fp8"), default="auto",
-                   help="MLA cache storage (see generate --help)")
-    b.add_argument("--mla-cache-scale", type=float, default=None,
-                   help="the fp8 cache's scale (see generate --help)")
-    b.add_argument("--max-batch", type=int, default=8)
-    b.add_argument("--max-seq-len", type=int, default=1024)
-    b.add_argument("--page-size", type=int, default=16)
-    b.add_argument("--prefill-chunk", type=int, default=32)
-    b.add_argument("--tensor", type=int, default=1, help="tensor parallelism over this many devices")
-    b.add_argument("--dcp", type=int, default=1,
-                   help="decode context parallelism: split every cache page over this many devices "
-                        "(--page-size must be a multiple; devices used: tensor x dcp)")
-    b.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    return {"generate": _generate, "batch": _batch}[args.cmd](args)
+    args = build_parser().parse_args(argv)
+    try:
+        from kimik3 import compilation_cache
+
+        compilation_cache.enable_for_cli(args.compilation_cache)
+        return args.run(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("kimik3: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        user = isinstance(e, (UsageError, ValueError, OSError))
+        hint = "" if isinstance(e, UsageError) else " (--debug shows the traceback)"
+        print(f"kimik3: {_one_line(e)}{hint}", file=sys.stderr)
+        return 2 if user else 1
 
 
 if __name__ == "__main__":

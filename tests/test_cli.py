@@ -1,6 +1,39 @@
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
 import kimik3
+from kimik3 import compilation_cache
 from kimik3.checkpoint.hf_export import export_hf
-from serve.cli import main
+from serve.cli import DEFAULT_MODEL, build_parser, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_cache(monkeypatch):
+    """main() turns JAX's persistent cache on: keep these in-process runs out of the user's cache."""
+    monkeypatch.setenv(compilation_cache.ENV, "off")
+
+
+def _one_line(err: str) -> str:
+    """The whole of stderr, which must be one line and no traceback."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def no_model_built(monkeypatch):
+    """Fails the test if the CLI builds or loads a model (flags must be refused before that)."""
+    def refuse(*a, **k):
+        raise AssertionError("a model was built before the flags were checked")
+    monkeypatch.setattr(kimik3, "init", refuse)
+    monkeypatch.setattr(kimik3, "load", refuse)
 
 
 def test_generate_from_a_preset(capsys):
@@ -18,10 +51,8 @@ def test_generate_from_a_checkpoint_directory(tiny_models, tmp_path, capsys):
 
 
 def test_bad_model_and_prompt(capsys):
-    assert main(["generate", "--model", "kimi-k9", "--prompt", "x"]) == 2
-    assert "unknown preset 'kimi-k9'" in capsys.readouterr().err
     assert main(["generate", "--model", "tiny", "--prompt", "x", "--chat"]) == 2
-    assert "no chat template" in capsys.readouterr().err
+    assert "no chat template" in _one_line(capsys.readouterr().err)
 
 
 def test_mxfp4_layout_flag(tiny_models, tmp_path, capsys):
@@ -30,8 +61,6 @@ def test_mxfp4_layout_flag(tiny_models, tmp_path, capsys):
     assert main(args + ["--mxfp4-layout", "paired"]) == 0
     expect = kimik3.generate(tiny_models["tiny"], ["Hi"], max_new_tokens=3)[0]
     assert f"tokens: {expect}" in capsys.readouterr().out
-    assert main(["generate", "--model", "tiny", "--prompt", "x", "--mxfp4-layout", "paired"]) == 2
-    assert "--mxfp4-layout applies to checkpoint directories" in capsys.readouterr().err
 
 
 def test_mla_cache_flag(tiny_models, tmp_path, capsys):
@@ -47,5 +76,116 @@ def test_mla_cache_flag(tiny_models, tmp_path, capsys):
     fp8s = fp8.replace(cfg=fp8.cfg.replace(mla_cache_scale=0.25))
     expect = kimik3.generate(fp8s, ["Hi"], max_new_tokens=3)[0]
     assert f"tokens: {expect}" in capsys.readouterr().out
-    assert main(args + ["--mla-cache-scale", "0.25"]) == 2
-    assert "give it with --mla-cache fp8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "x", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "2.5"], "--max-new-tokens: expected an integer >= 1"),
+    (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature: must be >= 0"),
+    (["generate", "--prompt", "x", "--top-p", "0"], "--top-p: must be > 0 and <= 1"),
+    (["generate", "--prompt", "x", "--top-k", "-2"], "--top-k: must be >= 0"),
+    (["generate", "--prompt", "x", "--tensor", "0"], "--tensor: must be >= 1"),
+    (["generate", "--prompt", "x", "--mla-cache-scale", "0"], "--mla-cache-scale: must be > 0"),
+    (["generate", "--prompt", "x", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["generate"], "the following arguments are required: --prompt"),
+    (["batch", "--input", "a", "--output", "b", "--max-batch", "0"], "--max-batch: must be >= 1"),
+    ([], "the following arguments are required: COMMAND"),
+])
+def test_bad_flags_are_one_line_before_the_model_is_built(argv, message, capsys, no_model_built):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in _one_line(capsys.readouterr().err)
+
+
+def test_bad_paths_and_flag_combinations_before_the_model_is_built(tmp_path, capsys, no_model_built):
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"id": 1, "prompt": "hi"}) + "\n")
+    cases = [
+        (["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"],
+         f"no such checkpoint directory: {tmp_path / 'nope'}"),
+        (["generate", "--model", "kimi-k9", "--prompt", "x"], "no such checkpoint directory: kimi-k9 (nor a preset"),
+        (["generate", "--model", str(prompts), "--prompt", "x"], "not a directory"),
+        (["generate", "--prompt", "x", "--mxfp4-layout", "paired"], "--mxfp4-layout applies to checkpoint directories"),
+        (["generate", "--prompt", "x", "--mla-cache-scale", "0.25"], "give it with --mla-cache fp8"),
+        (["generate", "--prompt", "x", "--tensor", "64"], "mesh needs 64 devices"),
+        (["batch", "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o.jsonl")],
+         "--input " + str(tmp_path / "missing.jsonl") + ": no such file"),
+        (["batch", "--input", str(prompts), "--output", str(tmp_path / "no" / "o.jsonl")], "no such directory"),
+        (["batch", "--input", str(prompts), "--output", str(tmp_path)], "is a directory"),
+        (["batch", "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--dcp", "4", "--page-size", "6"],
+         "multiple of the DCP size 4"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert message in _one_line(capsys.readouterr().err), argv
+
+
+def test_bad_checkpoints_are_one_line(tiny_models, tmp_path, capsys):
+    """A broken config or checkpoint: one line and a non-zero exit; --debug raises with the traceback."""
+    good = tmp_path / "good"
+    export_hf(tiny_models["tiny-linear"], str(good))
+    config = json.loads((good / "config.json").read_text())
+
+    def broken(name, edit):
+        d = tmp_path / name
+        d.mkdir()
+        for f in os.listdir(good):
+            (d / f).write_bytes((good / f).read_bytes())
+        edit(d)
+        return ["generate", "--model", str(d), "--prompt", "x", "--max-new-tokens", "1"]
+
+    def truncate(d):
+        f = next(d / f for f in sorted(os.listdir(d)) if f.endswith(".safetensors"))
+        f.write_bytes(f.read_bytes()[:-100])
+
+    cases = {
+        "no_field": broken("no_field", lambda d: (d / "config.json").write_text(
+            json.dumps({k: v for k, v in config.items() if k != "num_hidden_layers"}))),
+        "not_json": broken("not_json", lambda d: (d / "config.json").write_text("{oops")),
+        "truncated": broken("truncated", truncate),
+        "empty": ["generate", "--model", str(tmp_path / "empty"), "--prompt", "x"],
+    }
+    (tmp_path / "empty").mkdir()
+    for name, argv in cases.items():
+        assert main(argv) != 0, name
+        line = _one_line(capsys.readouterr().err)
+        assert line.startswith("kimik3: "), (name, line)
+    with pytest.raises(Exception):
+        main(cases["no_field"] + ["--debug"])
+
+
+def test_version_and_help_on_every_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    from importlib import metadata
+    assert capsys.readouterr().out.strip() == f"kimik3 {metadata.version('kimik3')}"
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert {"generate", "batch"} <= set(subparsers.choices)
+    for name, sub in [("kimik3", parser), *subparsers.choices.items()]:
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            assert action.help and action.help != argparse.SUPPRESS, (name, action.option_strings)
+    for name in ("generate", "batch"):  # the same default model everywhere
+        assert subparsers.choices[name].get_default("model") == DEFAULT_MODEL
+
+
+def test_generate_stop_and_mesh_flags(tiny_models, capsys):
+    """--stop cuts the text where a stop text starts, as the engine does; --tensor 2 --dcp 2 gives the
+    one-device tokens."""
+    model = tiny_models["tiny"]
+    tok = kimik3.default_tokenizer(model.cfg)
+    full = kimik3.generate(model, ["Hello"], max_new_tokens=8)[0]
+    text = tok.decode(full)
+    stop = text[3:5]
+    assert stop and text.index(stop) == 3, text
+    args = ["generate", "--model", "tiny", "--prompt", "Hello", "--max-new-tokens", "8"]
+    assert main(args + ["--stop", stop, "--stop", "never said"]) == 0
+    out = capsys.readouterr().out
+    assert f"text:   {text[:3]!r}" in out
+    assert main(args + ["--tensor", "2", "--dcp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"tokens: {full}" in out and "mesh tensor=2 dcp=2" in out
