@@ -1,6 +1,7 @@
 """Parameter trees: shapes without memory, random weights, logical parameter counts."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -22,17 +23,20 @@ def abstract(cfg: Config) -> dict:
     return jax.eval_shape(_init_fn(cfg), jax.random.key(0))
 
 
+@functools.cache
+def _init_program(cfg: Config, mesh):
+    """The jitted init of one (config, mesh), kept: its compile is most of a small model's init
+    (every parameter's random draw is code), so a second init with any seed compiles nothing."""
+    if mesh is None:
+        return jax.jit(_init_fn(cfg))
+    from sharding import param_shardings
+
+    return jax.jit(_init_fn(cfg), out_shardings=param_shardings(abstract(cfg), cfg, mesh))
+
+
 def init(cfg: Config, seed: int = 0, mesh=None) -> Model:
     """Random weights for any config; placed on `mesh` by the sharding rules if one is given."""
-    fn = _init_fn(cfg)
-    if mesh is not None:
-        from sharding import param_shardings
-
-        shardings = param_shardings(abstract(cfg), cfg, mesh)
-        params = jax.jit(fn, out_shardings=shardings)(jax.random.key(seed))
-    else:
-        params = jax.jit(fn)(jax.random.key(seed))
-    return Model(params=params, cfg=cfg)
+    return Model(params=_init_program(cfg, mesh)(jax.random.key(seed)), cfg=cfg)
 
 
 def _is_expert_packed(path) -> bool:

@@ -189,3 +189,47 @@ def test_generate_stop_and_mesh_flags(tiny_models, capsys):
     assert main(args + ["--tensor", "2", "--dcp", "2"]) == 0
     out = capsys.readouterr().out
     assert f"tokens: {full}" in out and "mesh tensor=2 dcp=2" in out
+
+
+def test_a_second_init_compiles_nothing(tiny_models):
+    """kimik3.init keeps its compiled program per config: another seed of a built preset only runs it."""
+    import jax
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiles.append(event) if event == BACKEND_COMPILE_EVENT else None)
+    model = kimik3.init(kimik3.Config.preset("tiny"), seed=1)
+    jax.block_until_ready(model.params)
+    assert compiles == []
+    assert not all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(model.params),
+                                                       jax.tree.leaves(tiny_models["tiny"].params)))
+
+
+def test_compilation_cache_directory(monkeypatch, tmp_path):
+    for name in (compilation_cache.ENV, "JAX_COMPILATION_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compilation_cache.default_dir() == str(tmp_path / "kimik3" / "jax")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    assert compilation_cache.default_dir() == str(tmp_path / "jax")
+    monkeypatch.setenv(compilation_cache.ENV, str(tmp_path / "mine"))
+    assert compilation_cache.default_dir() == str(tmp_path / "mine")
+    monkeypatch.setenv(compilation_cache.ENV, "off")
+    assert compilation_cache.default_dir() is None
+
+
+def test_second_run_loads_its_programs_from_the_cache(tmp_path):
+    """The CLI keeps compiled programs under $XDG_CACHE_HOME/kimik3/jax: a second run prints the same
+    and adds no cache entry (every program it needs was found there: min compile time 0 caches all)."""
+    env = {k: v for k, v in os.environ.items() if k not in (compilation_cache.ENV, "JAX_COMPILATION_CACHE_DIR")}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XDG_CACHE_HOME=str(tmp_path))
+    cmd = [sys.executable, "-m", "serve.cli", "generate", "--model", "tiny-linear", "--prompt", "Hi",
+           "--max-new-tokens", "2"]
+    cache = tmp_path / "kimik3" / "jax"
+    runs = []
+    for _ in range(2):
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert res.returncode == 0, res.stderr
+        runs.append((res.stdout.splitlines()[1], sorted(os.listdir(cache))))
+    assert runs[0][1] and runs[1] == runs[0]
