@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from . import launch, replay
+
 
 def _load(args):
     """(model, tokenizer, where the weights came from) for a preset name or a checkpoint dir."""
@@ -153,8 +155,9 @@ def main(argv=None) -> int:
                    help="decode context parallelism: split every cache page over this many devices "
                         "(--page-size must be a multiple; devices used: tensor x dcp)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    handlers = {"generate": _generate, "batch": _batch, "serve": launch.add_parser(sub), "replay": replay.add_parser(sub)}
     args = p.parse_args(argv)
-    return {"generate": _generate, "batch": _batch}[args.cmd](args)
+    return handlers[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None =
                    help="MLA cache storage: auto = the activation dtype; fp8 = e4m3 (see kimik3 generate --help)")
     p.add_argument("--mla-cache-scale", type=float, default=None, help="the fp8 cache's per-tensor scale")
     p.add_argument("--max-batch", type=int, default=16, help="decode slots (requests running at once)")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="longest prompt + completion, in tokens")
+    p.add_argument("--max-seq-len", type=int, default=16384, help="longest prompt + completion, in tokens")
     p.add_argument("--page-size", type=int, default=16, help="tokens per MLA cache page")
     p.add_argument("--num-pages", type=int, default=None,
                    help="MLA cache pages (default: enough for every slot at --max-seq-len)")
@@ -33,8 +33,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None =
                         "(--page-size must be a multiple; devices used: tensor x dcp)")
 
 
-def build_engine(args):
-    """(Engine, tokenizer, model name, devices) from add_engine_arguments' flags; ValueError on bad ones."""
+def engine_factory(args):
+    """(factory, tokenizer, model name, devices) from add_engine_arguments' flags: the weights are
+    loaded once, factory() builds a fresh Engine over them. ValueError on bad flags."""
     from .cli import _load
     from .engine import Engine
 
@@ -49,11 +50,15 @@ def build_engine(args):
             raise ValueError(f"--tensor {args.tensor} --dcp {args.dcp}: {e}") from None
         model = sharding.place_model(model, mesh)
         dcp_axes = ("dcp",) if args.dcp > 1 else ()
-    engine = Engine(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                    num_pages=args.num_pages, prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
-                    tokenizer=tokenizer, dcp_axes=dcp_axes)
+
+    def factory():
+        return Engine(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
+                      num_pages=args.num_pages, prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
+                      tokenizer=tokenizer, dcp_axes=dcp_axes)
+
+    factory()  # engine settings are checked now, before anything is served
     name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
-    return engine, tokenizer, name, args.tensor * args.dcp
+    return factory, tokenizer, name, args.tensor * args.dcp
 
 
 def add_parser(subparsers):
@@ -80,8 +85,8 @@ def _serve(args) -> int:
               file=sys.stderr)
         return 2
     try:
-        engine, tokenizer, name, devices = build_engine(args)
-        aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
+        factory, tokenizer, name, devices = engine_factory(args)
+        aengine = AsyncEngine(factory(), max_waiting=args.max_waiting)
     except (ValueError, FileNotFoundError) as e:
         print(f"kimik3: {e}", file=sys.stderr)
         return 2
