@@ -87,7 +87,8 @@ class AsyncEngine:
         eng = self.engine
         return {"running": sum(r is not None for r in eng.slots), "waiting": len(eng.waiting),
                 "pages_free": eng.allocator.free, "pages_total": eng.allocator.num_pages,
-                "steps": self.steps, "failed_steps": self.failed_steps, "cancelled": self.cancelled, "alive": self._thread.is_alive()}
+                "steps": self.steps, "failed_steps": self.failed_steps, "cancelled": self.cancelled,
+                "alive": self._thread.is_alive()}
 
     def close(self):
         self._stopping = True

@@ -8,6 +8,7 @@ import numpy as np
 import openai
 import pytest
 
+import kimik3
 from kimik3.tokenizer import ByteTokenizer
 from serve import Engine
 from serve.async_engine import AsyncEngine
@@ -25,8 +26,12 @@ class ChatBytes(ByteTokenizer):
 
 
 @pytest.fixture(scope="module")
-def served(tiny_models):
-    model = tiny_models["tiny"]
+def model():
+    return kimik3.init(kimik3.Config.preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def served(model):
     tok = ChatBytes(model.cfg.vocab_size, model.cfg.bos_token_id, model.cfg.eos_token_id)
     engine = Engine(model, tokenizer=tok, **ENGINE_SHAPE)
     aengine = AsyncEngine(engine)
@@ -60,10 +65,10 @@ def test_models_health_and_metrics(served):
     assert "kimik3_requests_running" in text and "kimik3_cache_pages_total" in text
 
 
-def test_completion_chat_and_stream_agree_with_the_engine(served, tiny_models):
+def test_completion_chat_and_stream_agree_with_the_engine(served, model):
     server, client, aengine, tok = served
     prompt = "def f(x):"
-    ref = Engine(tiny_models["tiny"], tokenizer=tok, **ENGINE_SHAPE)
+    ref = Engine(model, tokenizer=tok, **ENGINE_SHAPE)
     want = ref.generate([prompt], max_new_tokens=6)[0]
 
     c = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
@@ -99,10 +104,10 @@ def test_completion_chat_and_stream_agree_with_the_engine(served, tiny_models):
     assert a == b == ref.generate([prompt], max_new_tokens=6, temperature=1.0, top_p=0.9, top_k=20, seed=7)[0]
 
 
-def test_twenty_concurrent_streams_equal_engine_generate(served, tiny_models):
+def test_twenty_concurrent_streams_equal_engine_generate(served, model):
     server, _, aengine, tok = served
     prompts = _prompts(20, 0)
-    want = Engine(tiny_models["tiny"], tokenizer=tok, **ENGINE_SHAPE).generate(prompts, max_new_tokens=6)
+    want = Engine(model, tokenizer=tok, **ENGINE_SHAPE).generate(prompts, max_new_tokens=6)
 
     async def one(client, p):
         ids, text = [], ""
@@ -222,3 +227,25 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
     assert ts.push(list("é".encode())[:1]) == ""  # half a UTF-8 character waits for the rest
     assert ts.push(list("é".encode())[1:]) == "é"
     assert ts.push(list(b"EN"), final_text="abcExé", finished=True) == ""  # the engine cut at the stop
+
+
+def test_a_failing_engine_step_fails_its_requests_not_the_server(served):
+    server, client, aengine, _ = served
+    engine = aengine.engine
+    real_step = engine.step
+
+    def broken_step():
+        engine.step = real_step  # only this one step fails
+        raise RuntimeError("device lost")
+
+    engine.step = broken_step
+    try:
+        with pytest.raises(openai.APIStatusError, match="engine step failed: RuntimeError: device lost") as e:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0)
+        assert e.value.status_code == 503
+    finally:
+        engine.step = real_step
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0).usage.completion_tokens
+    assert httpx.get(server.url + "/health").json()["failed_steps"] == 1
+    _wait_idle(aengine)
+    engine.check_pages()
