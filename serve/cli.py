@@ -155,7 +155,8 @@ def main(argv=None) -> int:
                    help="decode context parallelism: split every cache page over this many devices "
                         "(--page-size must be a multiple; devices used: tensor x dcp)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
-    handlers = {"generate": _generate, "batch": _batch, "serve": launch.add_parser(sub), "replay": replay.add_parser(sub)}
+    handlers = {"generate": _generate, "batch": _batch,
+                "serve": launch.add_parser(sub), "replay": replay.add_parser(sub)}
     args = p.parse_args(argv)
     return handlers[args.cmd](args)
 

@@ -14,7 +14,6 @@ import secrets
 import threading
 import time
 import uuid
-from typing import Any, Literal
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
