@@ -276,7 +276,19 @@ def _add_batch(sub):
     b.set_defaults(run=_batch)
 
 
-SUBCOMMANDS = [_add_generate, _add_batch]
+def _add_serve(sub):
+    from . import launch  # FastAPI / uvicorn are imported only when `kimik3 serve` runs
+
+    add_common_flags(launch.add_parser(sub))
+
+
+def _add_replay(sub):
+    from . import replay
+
+    add_common_flags(replay.add_parser(sub))
+
+
+SUBCOMMANDS = [_add_generate, _add_batch, _add_serve, _add_replay]
 
 
 def _version() -> str:

@@ -168,6 +168,15 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
+    def cancel(self, req: Request) -> bool:
+        """Stop a request between steps (e.g. its client went away): it leaves the queue or its
+        slot, its pages are freed, finish_reason "cancelled". False if it had already finished."""
+        if req.finished is not None:
+            return False
+        self.waiting = deque(r for r in self.waiting if r is not req)
+        self._finish(req, "cancelled")
+        return True
+
     def check_pages(self):
         """Allocator invariants: no leaked pages, none owned twice, every holder listed."""
         self.allocator.check({r.id: r.pages for r in self.running})

@@ -1,0 +1,165 @@
+"""The engine behind an asyncio event loop: one background thread steps the Engine continuously,
+requests join and leave between steps, and each request's new tokens reach its consumer through
+an asyncio queue. The HTTP server and the in-process session replay both drive the engine this way.
+
+The Engine is not thread-safe, so every call into it (submit, step, cancel) happens on the engine
+thread: callers post commands and await their answer.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import traceback
+
+from .engine import Engine, Request, SamplingParams
+
+log = logging.getLogger("kimik3.serve")
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is at its bound: the caller should retry later."""
+
+
+@dataclasses.dataclass
+class Delta:
+    """What one engine step produced for one request."""
+    tokens: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    text: str | None = None     # the engine's final text when it cut it at a stop string
+    metrics: dict | None = None  # Request.metrics, on the last delta
+
+
+class RequestStream:
+    """A submitted request: iterate it for Deltas (the last one has finished=True); cancel() frees
+    the request's slot and pages if it has not finished (safe to call at any time, repeatedly)."""
+
+    def __init__(self, owner: "AsyncEngine", request: Request, deltas: asyncio.Queue):
+        self.owner, self.request, self._deltas = owner, request, deltas
+        self.finished = False
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while not self.finished:
+            delta = await self._deltas.get()
+            self.finished = delta.finished
+            yield delta
+
+    def cancel(self):
+        if not self.finished:
+            self.owner._post(("cancel", self.request))
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_waiting: int = 256):
+        """max_waiting: submissions beyond this many queued (not yet running) requests raise QueueFull."""
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.engine, self.max_waiting = engine, max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._consumers: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self.steps = 0
+        self.failed_steps = 0
+        self.cancelled = 0
+        self._thread = threading.Thread(target=self._run, name="kimik3-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from event loops ----
+    async def submit(self, prompt, params: SamplingParams) -> RequestStream:
+        """Queue a request; raises ValueError (bad request, as Engine.submit) or QueueFull."""
+        loop = asyncio.get_running_loop()
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        deltas: asyncio.Queue = asyncio.Queue()
+        self._post(("submit", prompt, params, loop, deltas, answer))
+        request = await asyncio.wrap_future(answer)
+        return RequestStream(self, request, deltas)
+
+    def snapshot(self) -> dict:
+        """Load figures for /metrics and /health (read without the engine thread: approximate)."""
+        eng = self.engine
+        return {"running": sum(r is not None for r in eng.slots), "waiting": len(eng.waiting),
+                "pages_free": eng.allocator.free, "pages_total": eng.allocator.num_pages,
+                "steps": self.steps, "failed_steps": self.failed_steps, "cancelled": self.cancelled,
+                "alive": self._thread.is_alive()}
+
+    def close(self):
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+
+    # ---- the engine thread ----
+    def _post(self, command):
+        self._commands.put(command)
+        self._wake.set()
+
+    def _run(self):
+        eng = self.engine
+        while not self._stopping:
+            self._wake.clear()  # before draining: a command posted after the drain sets it again
+            self._drain()
+            if not eng.has_work():
+                self._wake.wait()
+                continue
+            try:
+                events = eng.step()
+                self.steps += 1
+            except Exception:  # one bad step must not stop the server: fail what was in flight
+                self.failed_steps += 1
+                reason = "error: engine step failed: " + traceback.format_exc(limit=1).strip().splitlines()[-1]
+                log.exception("engine step failed; failing the requests in flight")
+                events = self._fail_all(reason)
+            for req, tokens in events:
+                self._deliver(req, tokens)
+            eng.done.clear()  # finished requests were delivered; a server must not keep them all
+
+    def _drain(self):
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "submit":
+                _, prompt, params, loop, deltas, answer = command
+                try:
+                    if len(self.engine.waiting) >= self.max_waiting:
+                        raise QueueFull(f"{len(self.engine.waiting)} requests are already waiting "
+                                        f"(the bound is {self.max_waiting}): retry later")
+                    req = self.engine.submit(prompt, params)
+                except Exception as e:  # ValueError (bad input) or QueueFull go back to the caller
+                    answer.set_exception(e)
+                    continue
+                self._consumers[id(req)] = (loop, deltas)
+                answer.set_result(req)
+            elif command[0] == "cancel":
+                req = command[1]
+                if self.engine.cancel(req):
+                    self.cancelled += 1
+                    self._deliver(req, [])
+
+    def _fail_all(self, reason: str) -> list:
+        eng = self.engine
+        victims = list(eng.waiting) + [r for r in eng.slots if r is not None]
+        for req in victims:
+            eng.cancel(req)
+            req.finish_reason = reason
+        return [(req, []) for req in victims]
+
+    def _deliver(self, req: Request, tokens: list[int]):
+        finished = req.finished is not None
+        target = self._consumers.pop(id(req), None) if finished else self._consumers.get(id(req))
+        if target is None:
+            return
+        loop, deltas = target
+        delta = Delta(list(tokens), finished, req.finish_reason, req.text, req.metrics if finished else None)
+        try:
+            loop.call_soon_threadsafe(deltas.put_nowait, delta)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            pass

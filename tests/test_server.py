@@ -1,0 +1,251 @@
+"""The OpenAI-compatible server, driven by the official `openai` client: outputs equal the engine's,
+every error is an OpenAI-style JSON error, a disconnect frees the request's pages."""
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import kimik3
+from kimik3.tokenizer import ByteTokenizer
+from serve import Engine
+from serve.async_engine import AsyncEngine
+from serve.server import ServerThread, TextStream, build_app, logprobs_supported
+
+ENGINE_SHAPE = dict(max_batch=4, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=2)
+
+
+class ChatBytes(ByteTokenizer):
+    """The byte tokenizer with a minimal chat template (the tiny preset ships none)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""), add_bos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kimik3.init(kimik3.Config.preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    tok = ChatBytes(model.cfg.vocab_size, model.cfg.bos_token_id, model.cfg.eos_token_id)
+    engine = Engine(model, tokenizer=tok, **ENGINE_SHAPE)
+    aengine = AsyncEngine(engine)
+    with ServerThread(build_app(aengine, tok, "tiny")) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        yield server, client, aengine, tok
+    aengine.close()
+
+
+def _prompts(n, seed):
+    rng = np.random.RandomState(seed)
+    return [list(map(int, rng.randint(0, 256, rng.randint(2, 14)))) for _ in range(n)]
+
+
+def _wait_idle(aengine, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = aengine.snapshot()
+        if s["running"] == 0 and s["waiting"] == 0 and s["pages_free"] == s["pages_total"]:
+            return s
+        time.sleep(0.05)
+    raise AssertionError(f"the engine did not go idle: {aengine.snapshot()}")
+
+
+def test_models_health_and_metrics(served):
+    server, client, _, _ = served
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["devices"] == 1
+    text = httpx.get(server.url + "/metrics").text
+    assert "kimik3_requests_running" in text and "kimik3_cache_pages_total" in text
+
+
+def test_completion_chat_and_stream_agree_with_the_engine(served, model):
+    server, client, aengine, tok = served
+    prompt = "def f(x):"
+    ref = Engine(model, tokenizer=tok, **ENGINE_SHAPE)
+    want = ref.generate([prompt], max_new_tokens=6)[0]
+
+    c = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert c.choices[0].model_extra["token_ids"] == want
+    assert c.choices[0].text == tok.decode(want)
+    assert c.choices[0].finish_reason == ("length" if len(want) == 6 else "stop")
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (len(tok.encode(prompt, add_bos=True)), len(want))
+    assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    assert c.usage.prompt_tokens_details.cached_tokens == 0  # no prefix cache in this engine build
+
+    pieces = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == tok.decode(want)
+    assert pieces[-1].usage.completion_tokens == len(want)
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat_want = ref.generate([tok.apply_chat_template(messages)], max_new_tokens=5)[0]
+    ch = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+    assert ch.choices[0].message.role == "assistant"
+    assert ch.choices[0].message.content == tok.decode(chat_want)
+    assert ch.usage.prompt_tokens == len(tok.apply_chat_template(messages))
+    deltas = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                                 stream=True))
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == tok.decode(chat_want)
+    assert deltas[-1].choices[0].finish_reason in ("stop", "length")
+
+    # sampling follows the seed, not the batch: the same seed gives the same tokens
+    kw = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, top_p=0.9, seed=7,
+              extra_body={"top_k": 20, "return_token_ids": True})
+    a, b = (client.completions.create(**kw).choices[0].model_extra["token_ids"] for _ in range(2))
+    assert a == b == ref.generate([prompt], max_new_tokens=6, temperature=1.0, top_p=0.9, top_k=20, seed=7)[0]
+
+
+def test_twenty_concurrent_streams_equal_engine_generate(served, model):
+    server, _, aengine, tok = served
+    prompts = _prompts(20, 0)
+    want = Engine(model, tokenizer=tok, **ENGINE_SHAPE).generate(prompts, max_new_tokens=6)
+
+    async def one(client, p):
+        ids, text = [], ""
+        stream = await client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0, stream=True,
+                                                 extra_body={"return_token_ids": True})
+        async for chunk in stream:
+            ids += chunk.choices[0].model_extra["token_ids"]
+            text += chunk.choices[0].text
+        return ids, text
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=300) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    got = asyncio.run(all_of_them())
+    assert [ids for ids, _ in got] == want
+    assert [text for _, text in got] == [tok.decode(w) for w in want]
+    _wait_idle(aengine)
+    aengine.engine.check_pages()
+
+
+def test_client_disconnect_cancels_and_frees_pages(served):
+    server, client, aengine, _ = served
+    before = aengine.snapshot()["cancelled"]
+    stream = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=60, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # the request is running: it holds a slot and pages
+    assert aengine.snapshot()["pages_free"] < aengine.snapshot()["pages_total"]
+    stream.close()
+    after = _wait_idle(aengine)
+    assert after["cancelled"] == before + 1  # stopped by the disconnect, not by max_tokens
+    aengine.engine.check_pages()
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(model="nope"), "model"),
+    (dict(max_tokens=60, prompt="x" * 10), "max_tokens"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(n=2), "n"),
+    (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=[5, 100000]), None),  # a token id outside the vocabulary
+    (dict(prompt=["one", "two"]), "prompt"),
+])
+def test_bad_requests_get_400(served, kw, param):
+    _, client, _, _ = served
+    args = dict(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+    args.update(kw)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**args)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["type"] == "invalid_request_error" and err["message"]
+    if param:
+        assert param in (err["param"] or "") or param in err["message"]
+
+
+def test_chat_errors_and_malformed_json(served):
+    server, client, _, _ = served
+    with pytest.raises(openai.BadRequestError, match="messages is empty"):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=64)
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": ', 
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_logprobs_without_engine_support_is_a_400(served):
+    _, client, _, _ = served
+    assert not logprobs_supported()  # this engine build records no per-token log-probabilities
+    with pytest.raises(openai.BadRequestError, match="logprobs not supported"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs not supported"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       logprobs=True, top_logprobs=2)
+
+
+def test_queue_over_its_bound_gets_503_and_the_server_lives_on(served):
+    server, _, aengine, _ = served
+    aengine.max_waiting = 2
+    try:
+        async def one(client):
+            try:
+                await client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=40, temperature=0,
+                                                extra_body={"ignore_eos": True})
+                return 200
+            except openai.APIStatusError as e:
+                assert e.body["type"] == "server_overloaded" and "retry later" in e.body["message"]
+                return e.status_code
+
+        async def burst():
+            async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                          timeout=300) as client:
+                return await asyncio.gather(*(one(client) for _ in range(10)))
+
+        codes = asyncio.run(burst())
+    finally:
+        aengine.max_waiting = 256
+    # 4 slots + 2 queued can be in flight; the rest are turned away
+    assert codes.count(503) >= 4 and codes.count(200) >= 1 and set(codes) <= {200, 503}
+    _wait_idle(aengine)
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'kimik3_requests_total{endpoint="/v1/completions",status="503"}' in metrics
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
+    tok = ByteTokenizer(320)
+    ts = TextStream(tok, ("END",))
+    assert ts.push(list(b"ab")) == "ab"
+    assert ts.push(list(b"cE")) == "c"  # "E" may start "END"
+    assert ts.push(list(b"x")) == "Ex"  # it did not
+    assert ts.push(list("é".encode())[:1]) == ""  # half a UTF-8 character waits for the rest
+    assert ts.push(list("é".encode())[1:]) == "é"
+    assert ts.push(list(b"EN"), final_text="abcExé", finished=True) == ""  # the engine cut at the stop
+
+
+def test_a_failing_engine_step_fails_its_requests_not_the_server(served):
+    server, client, aengine, _ = served
+    engine = aengine.engine
+    real_step = engine.step
+
+    def broken_step():
+        engine.step = real_step  # only this one step fails
+        raise RuntimeError("device lost")
+
+    engine.step = broken_step
+    try:
+        with pytest.raises(openai.APIStatusError, match="engine step failed: RuntimeError: device lost") as e:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0)
+        assert e.value.status_code == 503
+    finally:
+        engine.step = real_step
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0).usage.completion_tokens
+    assert httpx.get(server.url + "/health").json()["failed_steps"] == 1
+    _wait_idle(aengine)
+    engine.check_pages()
