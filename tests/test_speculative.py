@@ -13,6 +13,9 @@ from serve.speculation import Speculator
 from serve.steps import verify_step
 
 
+SHAPE = dict(max_batch=3, max_seq_len=96, page_size=8)  # one engine shape: its steps compile once
+
+
 @pytest.fixture(scope="module")
 def model(tiny_models):
     return tiny_models["tiny"]
@@ -91,8 +94,8 @@ def test_engine_outputs_equal_plain_decoding(model):
     prompts = _repetitive_prompts(7, 0)
     params = [SamplingParams(max_new_tokens=10, temperature=0.0 if i % 2 else 0.8, top_k=0 if i % 3 else 20,
                              seed=i, stop_tokens=()) for i in range(len(prompts))]
-    want = Engine(model, max_batch=3, max_seq_len=96, page_size=8).generate(prompts, params=params)
-    eng = Engine(model, max_batch=3, max_seq_len=96, page_size=8, speculative=OracleDrafter(prompts, want),
+    want = Engine(model, **SHAPE).generate(prompts, params=params)
+    eng = Engine(model, **SHAPE, speculative=OracleDrafter(prompts, want),
                  num_speculative_tokens=3)
     assert eng.generate(prompts, params=params) == want
     s = eng.stats()
@@ -106,9 +109,8 @@ def test_ngram_drafts_catch_a_repeating_output(model):
     """The random tiny model falls into a 3-token loop on this prompt: n-gram drafts of the loop
     are accepted and the output is unchanged."""
     prompts = [[1, 2, 3, 2, 3]]
-    want = Engine(model, max_batch=2, max_seq_len=64, page_size=8).generate(prompts, max_new_tokens=14,
-                                                                            stop_tokens=[])
-    eng = Engine(model, max_batch=2, max_seq_len=64, page_size=8, speculative="ngram", num_speculative_tokens=4)
+    want = Engine(model, **SHAPE).generate(prompts, max_new_tokens=14, stop_tokens=[])
+    eng = Engine(model, **SHAPE, speculative="ngram", num_speculative_tokens=3)
     assert eng.generate(prompts, max_new_tokens=14, stop_tokens=[]) == want
     assert eng.stats()["spec_accepted_tokens"] >= 4
 
@@ -117,19 +119,19 @@ def test_a_model_drafter_is_exact_and_accepted(model):
     """The target itself as the draft model: every greedy draft should be accepted, and the
     outputs are those of plain decoding."""
     prompts = _repetitive_prompts(3, 1)
-    want = Engine(model, max_batch=2, max_seq_len=64, page_size=8).generate(prompts, max_new_tokens=9, stop_tokens=[])
-    eng = Engine(model, max_batch=2, max_seq_len=64, page_size=8, speculative=model, num_speculative_tokens=3)
+    want = Engine(model, **SHAPE).generate(prompts, max_new_tokens=9, stop_tokens=[])
+    eng = Engine(model, **SHAPE, speculative=model, num_speculative_tokens=3)
     assert eng.generate(prompts, max_new_tokens=9, stop_tokens=[]) == want
     s = eng.stats()
     assert s["spec_accepted_tokens"] >= 0.9 * s["spec_draft_tokens"] > 0
 
 
 def test_committed_tokens_follow_the_target_distribution(model):
-    """Chi-square over 4000 seeded rows on a 6-token slice of the vocabulary: the first committed
+    """Chi-square over 1500 seeded rows on a 6-token slice of the vocabulary: the first committed
     token follows softmax(logits / T) whether the draft was accepted or not."""
-    n, temp = 4000, 1.5
+    n, temp = 1500, 1.5
     prompt = [1, 7, 9]
-    _, cache = kimik3.prefill(model, [prompt] * n, max_seq_len=16, backend="reference")
+    _, cache = kimik3.prefill(model, [prompt] * n, max_seq_len=8, backend="reference")
     logits = np.asarray(kimik3.forward(model, np.array([prompt + [3]]), backend="reference"))[0, -1]
     p = np.exp((logits - logits.max()) / temp)
     p /= p.sum()
