@@ -93,7 +93,8 @@ class DecoderLayer(nn.Module):
     index: int
 
     @nn.compact
-    def __call__(self, bank, p, cache, start, n_new, backend, page_table=None, dcp_axes=()):
+    def __call__(self, bank, p, cache, start, n_new, backend, page_table=None, dcp_axes=(),
+                 all_positions=False):
         cfg, i = self.cfg, self.index
         bs = cfg.attn_res_block_size
         D, eps, pdt = cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype
@@ -106,7 +107,7 @@ class DecoderLayer(nn.Module):
             bank, p = bank + [p], None
         x = RMSNorm(D, eps, pdt, name="input_layernorm")(h)
         if cfg.layer_types[i] == "kda":
-            a, cache = KDA(cfg, name="self_attn")(x, cache, n_new, backend)
+            a, cache = KDA(cfg, name="self_attn")(x, cache, n_new, backend, all_positions)
         else:
             a, cache = MLA(cfg, name="self_attn")(x, cache, start, n_new, backend, page_table, dcp_axes)
         p = a if p is None else p + a
@@ -125,10 +126,12 @@ class KimiLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, cache_layers=None, start=None, n_new=None, backend=None, page_table=None,
-                 dcp_axes=()):
+                 dcp_axes=(), all_positions=False):
         """tokens [B, T] -> (logits [B, T, V] fp32, new cache layers or None).
 
         Without cache_layers: a causal pass over `tokens` alone (fresh sequences).
+        all_positions (speculative verify): KDA layers return their state after every position;
+        `keep_positions` then keeps each row's accepted prefix.
         With them: tokens extend each row after its `start[b]` cached tokens; only the first
         `n_new[b]` tokens of row b are real (the rest is padding and leaves the cache untouched).
         """
@@ -146,7 +149,7 @@ class KimiLM(nn.Module):
         for i in range(cfg.num_layers):
             entry = None if cache_layers is None else cache_layers[i]
             bank, p, entry = DecoderLayer(cfg, i, name=f"layers_{i}")(bank, p, entry, start, n_new, backend,
-                                                                      page_table, dcp_axes)
+                                                                      page_table, dcp_axes, all_positions)
             new_layers.append(entry)
         if cfg.attn_res_block_size:
             p = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype,

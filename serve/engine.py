@@ -22,7 +22,8 @@ from kimik3.runtime import check_tokens, mesh_context, run_mesh
 from kimik3.tokenizer import default_tokenizer
 
 from .pages import PageAllocator
-from .steps import decode_steps, mixed_step
+from .speculation import Speculator, Stopwatch
+from .steps import decode_steps, mixed_step, verify_step
 
 
 @dataclasses.dataclass
@@ -78,12 +79,15 @@ class Engine:
     def __init__(self, model: Model, max_batch: int = 8, max_seq_len: int = 1024, page_size: int = 16,
                  num_pages: int | None = None, memory_budget_bytes: int | None = None,
                  prefill_chunk: int = 32, decode_steps: int = 4, tokenizer=None, backend=None,
-                 dcp_axes: tuple = ()):
+                 dcp_axes: tuple = (), speculative=None, num_speculative_tokens="auto"):
         """memory_budget_bytes: what one device may spend on the cache (MLA pages + KDA state slots);
         the page count follows from it. dcp_axes: decode context parallelism over these axes of
         the mesh the weights are placed on: every cache page's positions are split over them
         (page_size must be a multiple of their size), so each device holds 1/dcp of every
-        sequence's MLA history, and a budget buys dcp times the pages."""
+        sequence's MLA history, and a budget buys dcp times the pages.
+        speculative: None, "ngram" (drafts from the request's own tokens) or a kimik3 Model sharing
+        the tokenizer (drafts greedily on its own cache); num_speculative_tokens: "auto" (the
+        depth with the most committed tokens per second, measured; 0 = off) or an int 1..7."""
         cfg = model.cfg
         if max_batch < 1 or max_seq_len < 1 or page_size < 1 or prefill_chunk < 1 or decode_steps < 1:
             raise ValueError("max_batch, max_seq_len, page_size, prefill_chunk, decode_steps must be >= 1")
@@ -142,6 +146,9 @@ class Engine:
         self.done: list[Request] = []
         self._ids = itertools.count()
         self._reset = np.zeros(max_batch, bool)
+        self.spec = None if speculative is None else Speculator(speculative, num_speculative_tokens)
+        if self.spec is not None and hasattr(self.spec.drafter, "check_target"):
+            self.spec.drafter.check_target(cfg)
 
     # ---- submission ----
     def submit(self, prompt, params: SamplingParams | None = None, request_id=None) -> Request:
@@ -229,6 +236,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: str):
         req.finish_reason, req.finished = reason, time.perf_counter()
+        if self.spec is not None:
+            self.spec.forget(req.id)
         if req.slot is not None:
             self._release(req)
         self.done.append(req)
@@ -300,6 +309,12 @@ class Engine:
             steps = 1
         else:
             steps = self.decode_steps
+            if self.spec is not None:
+                events = self._speculate(running)
+                if events is not None:
+                    return events
+                if self.spec.depth:  # no draft this time: one token, so the next has a chance
+                    steps = 1
             tokens = np.zeros(B, np.int32)
             for r in list(running):
                 if r.slot is None:  # preempted by an earlier row of this loop
@@ -321,7 +336,8 @@ class Engine:
                       temperature=jnp.asarray(temp), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p),
                       backend=self.backend, dcp_axes=self.dcp_axes)
         # on a mesh the MoE layers run in shard_map (dedup / expert parallelism) under it
-        with mesh_context(run_mesh(self.model)):
+        clock = Stopwatch()
+        with mesh_context(run_mesh(self.model)), clock:
             if prefilling:
                 sampled, self.layers = mixed_step(self.model, self.layers, jnp.asarray(tokens), *args,
                                                   jnp.asarray(self._reset), **common)
@@ -330,6 +346,8 @@ class Engine:
                 sampled, self.layers = decode_steps(self.model, self.layers, jnp.asarray(tokens),
                                                     args[0], args[1], steps=steps, **common)
                 sampled = np.asarray(sampled)
+        if self.spec is not None and not prefilling:
+            self.spec.timed(len(running), 0, clock.seconds / steps)
         self._reset[:] = False
         events = []
         for r in running:
@@ -343,6 +361,68 @@ class Engine:
             if kept or r.finished:
                 events.append((r, kept))
         return events
+
+    def _speculate(self, running):
+        """One draft-verify-commit cycle for the decoding rows, or None when the controller chose
+        depth 0 or no row has a draft (plain decode steps then run)."""
+        k = self.spec.choose([r.id for r in running])
+        if k == 0:
+            return None
+        rows = {}
+        for r in running:  # a row drafts only what it can still commit and what fits the cache
+            room = min(k, r.params.max_new_tokens - len(r.output) - 1, self.max_seq_len - r.fed - 1)
+            if room > 0:
+                rows[r.slot] = (r.id, r.sequence, room)
+        drafts = self.spec.propose({s: (key, seq) for s, (key, seq, _) in rows.items()}, k,
+                                   self.max_batch, self.max_seq_len)
+        drafts = {s: d[:rows[s][2]] for s, d in drafts.items() if d[:rows[s][2]]}
+        if not drafts:
+            return None
+        B = self.max_batch
+        for r in list(running):
+            if r.slot is not None and not self._ensure_pages(r, r.fed + 1 + len(drafts.get(r.slot, []))):
+                self._finish(r, "error: the request does not fit in the cache pages")
+        running = self.running
+        tokens = np.zeros((B, k + 1), np.int32)
+        start, n_new, seeds, gen = (np.zeros(B, np.int32) for _ in range(4))
+        seeds = seeds.astype(np.uint32)
+        temp, top_k, top_p = np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32)
+        table = np.zeros((B, self.pages_per_seq), np.int32)
+        for r in running:
+            s, p, d = r.slot, r.params, drafts.get(r.slot, [])
+            tokens[s, 0], tokens[s, 1:1 + len(d)] = r.output[-1], d
+            start[s], n_new[s] = r.fed, 1 + len(d)
+            table[s, :len(r.pages)] = r.pages
+            seeds[s], gen[s] = p.seed, len(r.output)
+            temp[s], top_k[s], top_p[s] = p.temperature, p.top_k, p.top_p
+        clock = Stopwatch()
+        with mesh_context(run_mesh(self.model)), clock:
+            samples, accepted, self.layers = verify_step(
+                self.model, self.layers, *(jnp.asarray(a) for a in (tokens, start, n_new, table, seeds, gen,
+                                                                    temp, top_k, top_p)),
+                backend=self.backend, dcp_axes=self.dcp_axes)
+            samples, accepted = np.asarray(samples), np.asarray(accepted)
+        self.spec.timed(len(running), k, clock.seconds)
+        events = []
+        for r in running:
+            s = r.slot
+            a = int(accepted[s])
+            self.spec.record(r.id, int(n_new[s]) - 1, a)
+            r.fed += a + 1  # the last sampled token and the accepted drafts are now cached
+            kept = self._accept(r, samples[s, :a + 1])
+            if kept or r.finished:
+                events.append((r, kept))
+        return events
+
+    def stats(self) -> dict:
+        """Counters of this engine's work so far (speculation: drafted / accepted tokens, the
+        depth in use and the cycle times it was chosen from)."""
+        out = {"requests_done": len(self.done)}
+        if self.spec is not None:
+            out.update(self.spec.stats())
+        else:
+            out.update(spec_draft_tokens=0, spec_accepted_tokens=0, spec_depth=0)
+        return out
 
     # ---- user-facing ----
     def stream(self, prompts, params=None):

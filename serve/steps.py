@@ -1,5 +1,6 @@
 """The engine's jitted device steps: one mixed step (chunked prefill rows + decode rows) and a
-multi-step decode loop that samples on device, so several tokens cost one host round trip."""
+multi-step decode loop that samples on device, so several tokens cost one host round trip, and
+the speculative verify step."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kimik3.layers.kda import keep_positions
 from kimik3.model import KimiLM, Model
 from kimik3.sampling import sample
 
@@ -54,3 +56,27 @@ def decode_steps(model: Model, layers, tokens, start, active, page_table, seeds,
     out = jnp.zeros((steps, tokens.shape[0]), jnp.int32)
     layers, _, _, _, out = jax.lax.fori_loop(0, steps, body, (layers, tokens, start, gen_idx, out))
     return out, layers
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "dcp_axes"), donate_argnames=("layers",))
+def verify_step(model: Model, layers, tokens, start, n_new, page_table, seeds, gen_idx,
+                temperature, top_k, top_p, backend=None, dcp_axes=()):
+    """Speculative verify: tokens [B, 1 + k] are each row's last sampled token then k drafts (row b
+    uses its first n_new[b]). The target samples a token after every position with the key it
+    would use without speculation (index gen_idx + t), accepts drafts while they equal its own
+    samples, and keeps the cache of the accepted prefix only. For a deterministic drafter this is
+    exact rejection sampling (a draft d is kept with probability p(d); on a miss the target's
+    sample is drawn from p restricted to the other tokens), and the committed tokens are the ones
+    plain decoding with the same seed produces. Returns (samples [B, 1 + k], accepted drafts [B],
+    layers): row b commits samples[b, :accepted[b] + 1]."""
+    B, T = tokens.shape
+    logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tokens, layers, start, n_new,
+                                             backend=backend, page_table=page_table, dcp_axes=dcp_axes,
+                                             all_positions=True)
+    samples = jax.vmap(lambda lg, t: sample(lg, _keys(seeds, gen_idx + t), temperature, top_k, top_p),
+                       in_axes=(1, 0), out_axes=1)(logits, jnp.arange(T))
+    drafts_ok = (tokens[:, 1:] == samples[:, :-1]) & (jnp.arange(1, T) < n_new[:, None])
+    accepted = jnp.sum(jnp.cumprod(drafts_ok.astype(jnp.int32), axis=1), axis=1)
+    keep = jnp.where(n_new > 0, accepted + 1, 0)  # fed tokens whose cache entries stay
+    layers = tuple(e if "latent" in e else keep_positions(e, keep) for e in layers)
+    return samples, accepted, layers

@@ -35,13 +35,17 @@ def kda_cache_specs(cfg, mesh) -> dict:
     return {"state": P(None, AXIS, None, None), "conv": P(None, None, AXIS)}
 
 
-def kda_sharded(cfg, p, x, cache, n_new, backend=None, mesh=None):
+def kda_sharded(cfg, p, x, cache, n_new, backend=None, mesh=None, all_positions=False):
     """One KDA layer per rank's heads on `mesh` (default: the ambient one); traceable in jit.
     x [B, T, D] and the output are replicated; the cache stays split over heads."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     specs = jax.tree_util.tree_map_with_path(lambda path, w: param_spec(path, w.shape, mesh, cfg), p)
     cspecs = kda_cache_specs(cfg, mesh)
-    f = shard_map(lambda p, x, c, n: kda_apply(cfg, p, x, c, n, backend, tensor_axis=AXIS),
-                  mesh=mesh, in_specs=(specs, P(), cspecs, P()), out_specs=(P(), cspecs),
+    out_cspecs = cspecs
+    if all_positions:  # the state after every position: [B, T, H, K, K], heads still split
+        out_cspecs = {**cspecs, "state": P(None, None, *cspecs["state"][1:])}
+    f = shard_map(lambda p, x, c, n: kda_apply(cfg, p, x, c, n, backend, tensor_axis=AXIS,
+                                               all_positions=all_positions),
+                  mesh=mesh, in_specs=(specs, P(), cspecs, P()), out_specs=(P(), out_cspecs),
                   check_vma=False)
     return f(p, x, cache, n_new)

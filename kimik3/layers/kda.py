@@ -41,9 +41,13 @@ def kda_weights(module, cfg) -> dict:
     return p
 
 
-def kda_apply(cfg, p, x, cache, n_new, backend=None, tensor_axis=None):
+def kda_apply(cfg, p, x, cache, n_new, backend=None, tensor_axis=None, all_positions=False):
     """The KDA layer on the heads its weights hold: x [B, T, D], cache {"state" [B, H, K, K],
     "conv" [B, W-1, 3P] (this rank's q | k | v channels)} -> (out [B, T, D], new cache).
+
+    all_positions (speculative verify, T <= RECURRENT_MAX_T): the new cache holds the state after
+    every position, {"state" [B, T, H, K, K], "conv" [B, W-1+T, 3P] (the conv inputs)}, so that
+    `keep_positions` can roll a row back to any accepted prefix.
 
     Under shard_map (`tensor_axis` named) the weights are one rank's heads and the output
     projection's partial sums are all-reduced over that axis; the recurrence kernels see only
@@ -65,7 +69,7 @@ def kda_apply(cfg, p, x, cache, n_new, backend=None, tensor_axis=None):
         y = proj(o, "o_proj")
         return y if tensor_axis is None else jax.lax.psum(y, tensor_axis)
 
-    if T == 1 and resolve_backend(backend) != "reference":
+    if T == 1 and not all_positions and resolve_backend(backend) != "reference":
         # One fused launch: conv update, norms, gates, state update in place, gated norm.
         # Idle rows (n_new = 0) get gate and beta logits of -1e30, i.e. decay 1 and no write, so
         # the big state stays in place untouched; only the small conv state is selected back.
@@ -84,7 +88,12 @@ def kda_apply(cfg, p, x, cache, n_new, backend=None, tensor_axis=None):
     beta = jax.nn.sigmoid(b_logits)
 
     args = dict(initial_state=cache["state"], lengths=n_new, use_qk_l2norm=True)
-    if T <= RECURRENT_MAX_T:
+    if all_positions:
+        if T > RECURRENT_MAX_T:
+            raise ValueError(f"a verify pass takes at most {RECURRENT_MAX_T} tokens a row, got {T}")
+        o, state = kernels_pallas.kda_verify(q, k, v, g, beta, backend=backend, **args)
+        conv_state = jnp.concatenate([cache["conv"], qkv_raw.astype(cache["conv"].dtype)], axis=1)
+    elif T <= RECURRENT_MAX_T:
         o, state = kernels_pallas.kda_recurrent(q, k, v, g, beta, **args)
     else:
         # K3's bounded gate lies in (lower_bound, 0) with lower_bound >= -5 (Config checks it):
@@ -105,7 +114,7 @@ class KDA(nn.Module):
     cfg: object
 
     @nn.compact
-    def __call__(self, x, cache, n_new, backend=None):
+    def __call__(self, x, cache, n_new, backend=None, all_positions=False):
         """x [B, T, D]; cache {"state", "conv"} or None (fresh sequences); n_new [B] valid tokens."""
         cfg = self.cfg
         if cache is None:
@@ -116,5 +125,17 @@ class KDA(nn.Module):
             return kda_apply(cfg, p, x, cache, n_new, backend)
         from sharding.kda import kda_sharded, kda_tensor_axis
         if kda_tensor_axis(cfg, jax.sharding.get_abstract_mesh()) is not None:
-            return kda_sharded(cfg, p, x, cache, n_new, backend)
-        return kda_apply(cfg, p, x, cache, n_new, backend)
+            return kda_sharded(cfg, p, x, cache, n_new, backend, all_positions=all_positions)
+        return kda_apply(cfg, p, x, cache, n_new, backend, all_positions=all_positions)
+
+
+def keep_positions(entry, n):
+    """Collapse a KDA cache entry made with all_positions to the state after the first n[b] new
+    tokens of row b (n[b] = 0 keeps the state the pass started from)."""
+    W1 = entry["conv"].shape[1] - entry["state"].shape[1]  # W - 1
+    rows = jnp.arange(n.shape[0])
+    state = entry["state"][rows, jnp.maximum(n - 1, 0)]
+    first = entry["state"][:, 0]  # an idle row's states all equal its starting state
+    state = jnp.where((n > 0).reshape(-1, 1, 1, 1), state, first)
+    conv = jax.vmap(lambda r, m: jax.lax.dynamic_slice_in_dim(r, m, W1, axis=0))(entry["conv"], n)
+    return {"state": state, "conv": conv}

@@ -1,0 +1,127 @@
+"""Speculative decoding's host side: which depth to draft at, and the drafts for each row.
+
+The useful figure is committed tokens per second of a whole draft-verify-commit cycle, not the
+acceptance rate: a deeper draft pays only if the extra expected tokens outweigh the longer verify
+pass. So the controller measures both sides and chooses the depth that maximises their ratio:
+- per request, the chance that a draft token is accepted (alpha, counted over its drafts); a row
+  drafting k tokens then commits 1 + alpha + ... + alpha^k tokens on average;
+- per number of running rows (in power-of-two classes), the wall time of a cycle at each depth,
+  and of one plain decode token (depth 0: speculation off).
+Depths not yet timed for a class are tried first (the first call of each depth compiles and is
+not timed); after that each cycle runs the best estimate, and every `explore_every` cycles the
+least recently timed depth is re-timed so that the estimates follow the load.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from kimik3.model import Model
+
+from .drafters import ModelDrafter, NgramDrafter
+
+log = logging.getLogger("kimik3.serve.speculation")
+
+AUTO_DEPTHS = (0, 2, 4, 7)  # k + 1 <= 8: the verify pass's per-position KDA recurrence
+EMA = 0.3
+
+
+def _size_class(rows: int) -> int:
+    return 1 << max(0, rows - 1).bit_length()
+
+
+class Speculator:
+    def __init__(self, drafter, depth="auto", explore_every: int = 64):
+        if isinstance(drafter, str):
+            if drafter != "ngram":
+                raise ValueError(f"speculative={drafter!r}: use 'ngram' or a kimik3 model (the drafter)")
+            drafter = NgramDrafter()
+        elif isinstance(drafter, Model):
+            drafter = ModelDrafter(drafter)
+        elif not (hasattr(drafter, "propose") or hasattr(drafter, "propose_batch")):
+            raise ValueError(f"speculative={type(drafter).__name__}: use 'ngram', a kimik3 Model, or a drafter "
+                             "(an object with propose(key, tokens, k) -> list of up to k token ids)")
+        if depth == "auto":
+            self.depths = AUTO_DEPTHS
+        elif isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= 7:
+            self.depths = (depth,)
+        else:
+            raise ValueError(f"num_speculative_tokens={depth!r}: use 'auto' or an int in 1..7 "
+                             "(a verify pass takes at most 8 tokens a row)")
+        self.drafter, self.explore_every = drafter, explore_every
+        self.cycle_s: dict = {}  # (size class, depth) -> EMA seconds of a cycle (depth 0: a token)
+        self.compiled: set = set()
+        self.last_timed: dict = {}
+        self.cycles = 0
+        self.depth = self.depths[0]
+        self.draft_tokens = self.accepted_tokens = 0
+        self.per_request: dict = {}  # request key -> [drafted, accepted]
+
+    # ---- the depth ----
+    def alpha(self, key) -> float:
+        drafted, accepted = self.per_request.get(key, (0, 0))
+        return (accepted + 1) / (drafted + 2)  # Laplace: an unseen request counts as 1/2
+
+    def choose(self, keys) -> int:
+        """The depth for the next cycle of these running requests."""
+        self.cycles += 1
+        cls = _size_class(len(keys))
+        untimed = [k for k in self.depths if (cls, k) not in self.cycle_s]
+        if untimed:
+            choice = untimed[0]
+        elif len(self.depths) > 1 and self.cycles % self.explore_every == 0:
+            choice = min(self.depths, key=lambda k: self.last_timed.get((cls, k), 0))
+        else:
+            def rate(k):
+                tokens = sum(sum(self.alpha(r) ** i for i in range(k + 1)) for r in keys)
+                return tokens / self.cycle_s[(cls, k)]
+            choice = max(self.depths, key=rate)
+        if choice != self.depth:
+            log.info("speculative depth %d -> %d at %d rows (cycle s by depth: %s)", self.depth, choice,
+                     len(keys), {k: self.cycle_s.get((cls, k)) for k in self.depths})
+        self.depth = choice
+        return choice
+
+    def timed(self, rows: int, depth: int, seconds: float):
+        """Record a cycle's wall time (for depth 0: per decode token); a depth's first call compiles."""
+        if depth not in self.compiled:  # jitted shapes span all slots: one compile per depth
+            self.compiled.add(depth)
+            return
+        key = (_size_class(rows), depth)
+        old = self.cycle_s.get(key)
+        self.cycle_s[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.last_timed[key] = self.cycles
+
+    # ---- drafts ----
+    def propose(self, rows: dict, k: int, max_batch: int, max_seq_len: int) -> dict:
+        """rows: slot -> (request key, tokens so far) -> slot -> up to k draft tokens."""
+        if hasattr(self.drafter, "propose_batch"):
+            return self.drafter.propose_batch(rows, k, max_batch, max_seq_len)
+        return {s: self.drafter.propose(key, seq, k) for s, (key, seq) in rows.items()}
+
+    def record(self, key, drafted: int, accepted: int):
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        c = self.per_request.setdefault(key, [0, 0])
+        c[0] += drafted
+        c[1] += accepted
+
+    def forget(self, key):
+        self.per_request.pop(key, None)
+        if hasattr(self.drafter, "forget"):
+            self.drafter.forget(key)
+
+    def stats(self) -> dict:
+        return {"spec_draft_tokens": self.draft_tokens, "spec_accepted_tokens": self.accepted_tokens,
+                "spec_acceptance": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+                "spec_depth": self.depth,
+                "spec_cycle_s": {f"{cls} rows, depth {k}": s for (cls, k), s in sorted(self.cycle_s.items())}}
+
+
+class Stopwatch:
+    def __enter__(self):
+        self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t

@@ -1,0 +1,185 @@
+"""Speculative decoding: outputs equal plain decoding (greedy and seeded sampling), rollback keeps
+exactly the accepted prefix's state, the committed tokens follow the target's distribution, and the
+depth controller picks the depth with the most committed tokens per second."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kimik3
+from serve import Engine, SamplingParams
+from serve.drafters import ModelDrafter, NgramDrafter
+from serve.speculation import Speculator
+from serve.steps import verify_step
+
+
+SHAPE = dict(max_batch=3, max_seq_len=96, page_size=8)  # one engine shape: its steps compile once
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models["tiny"]
+
+
+def _repetitive_prompts(n, seed):
+    """Prompts that repeat a random span (what n-gram drafts catch), plus a random tail."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        span = list(map(int, rng.integers(1, 255, size=int(rng.integers(2, 7)))))
+        tail = list(map(int, rng.integers(1, 255, size=int(rng.integers(0, 4)))))
+        out.append([1] + span * int(rng.integers(1, 5)) + tail)
+    return out
+
+
+def _verify(model, cache, tokens, n_new, seeds, temperature=0.0):
+    B = tokens.shape[0]
+    return verify_step(model, jax.tree.map(jnp.copy, cache.layers), jnp.asarray(tokens, jnp.int32),
+                       cache.lengths, jnp.asarray(n_new, jnp.int32), None, jnp.asarray(seeds, jnp.uint32),
+                       jnp.zeros(B, jnp.int32), jnp.full(B, temperature, jnp.float32), jnp.zeros(B, jnp.int32),
+                       jnp.ones(B, jnp.float32), backend="reference")
+
+
+def test_rollback_keeps_exactly_the_accepted_prefix(model):
+    """After a verify pass with a rejected draft, each row's KDA state and conv state are bitwise
+    those of a pass that fed only the accepted tokens, and match token-by-token decoding."""
+    cfg = model.cfg
+    _, cache = kimik3.prefill(model, [[1, 5, 9, 13, 7], [1, 2, 3], [4]], max_seq_len=32, backend="reference")
+    plain, c, tok = [], jax.tree.map(jnp.copy, cache), jnp.array([11, 12, 13])
+    toks = [np.asarray(tok)]
+    for _ in range(4):
+        lg, c = kimik3.decode_step(model, c, tok, backend="reference")
+        plain.append(jax.tree.map(np.asarray, c.layers))
+        tok = jnp.argmax(lg, -1)
+        toks.append(np.asarray(tok))
+    toks = np.stack(toks, 1)  # [B, 5]: the fed token, then 4 greedy tokens
+    tokens = toks[:, :4].copy()
+    tokens[1, 2] = (tokens[1, 2] + 1) % cfg.vocab_size  # row 1: its 2nd draft is wrong
+    n_new = np.array([4, 4, 2])  # row 2 drafts one token only
+    samples, accepted, layers = _verify(model, cache, tokens, n_new, np.zeros(3))
+    accepted = np.asarray(accepted)
+    np.testing.assert_array_equal(accepted, [3, 1, 1])
+    np.testing.assert_array_equal(np.asarray(samples)[0], toks[0, 1:])
+    keep = accepted + 1
+    # the same pass feeding only the kept tokens
+    _, only = kimik3.extend(model, jax.tree.map(jnp.copy, cache), tokens, keep, backend="reference")
+    for i, (e, o) in enumerate(zip(layers, only.layers)):
+        if "latent" in e:
+            continue
+        for key in ("state", "conv"):
+            np.testing.assert_array_equal(np.asarray(e[key]), np.asarray(o[key]), err_msg=f"layer {i} {key}")
+            for b in range(3):
+                np.testing.assert_allclose(np.asarray(e[key])[b], plain[keep[b] - 1][i][key][b], atol=2e-6)
+
+
+class OracleDrafter:
+    """Drafts the known plain-decoding continuation, each token corrupted with probability 1/3:
+    acceptance and rejection at ragged positions, across rows, with known right answers."""
+
+    def __init__(self, prompts, outputs, seed=0):
+        self.want = {tuple(p): o for p, o in zip(prompts, outputs)}
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, key, tokens, k):
+        for p, o in self.want.items():
+            if tuple(tokens[:len(p)]) == p:
+                d = list(o[len(tokens) - len(p):][:k])
+                return [t if self.rng.random() > 1 / 3 else (t + 1) % 256 for t in d]
+        raise AssertionError("unknown request")
+
+
+def test_engine_outputs_equal_plain_decoding(model):
+    """Continuous batching, ragged acceptance: greedy rows and seeded sampled rows give the tokens
+    plain decoding gives; rollback after every rejection keeps later tokens exact."""
+    prompts = _repetitive_prompts(7, 0)
+    params = [SamplingParams(max_new_tokens=10, temperature=0.0 if i % 2 else 0.8, top_k=0 if i % 3 else 20,
+                             seed=i, stop_tokens=()) for i in range(len(prompts))]
+    want = Engine(model, **SHAPE).generate(prompts, params=params)
+    eng = Engine(model, **SHAPE, speculative=OracleDrafter(prompts, want),
+                 num_speculative_tokens=3)
+    assert eng.generate(prompts, params=params) == want
+    s = eng.stats()
+    assert 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]
+    assert s["spec_depth"] == 3
+    eng.check_pages()
+    assert eng.allocator.free == eng.allocator.num_pages
+
+
+def test_ngram_drafts_catch_a_repeating_output(model):
+    """The random tiny model falls into a 3-token loop on this prompt: n-gram drafts of the loop
+    are accepted and the output is unchanged."""
+    prompts = [[1, 2, 3, 2, 3]]
+    want = Engine(model, **SHAPE).generate(prompts, max_new_tokens=14, stop_tokens=[])
+    eng = Engine(model, **SHAPE, speculative="ngram", num_speculative_tokens=3)
+    assert eng.generate(prompts, max_new_tokens=14, stop_tokens=[]) == want
+    assert eng.stats()["spec_accepted_tokens"] >= 4
+
+
+def test_a_model_drafter_is_exact_and_accepted(model):
+    """The target itself as the draft model: every greedy draft should be accepted, and the
+    outputs are those of plain decoding."""
+    prompts = _repetitive_prompts(3, 1)
+    want = Engine(model, **SHAPE).generate(prompts, max_new_tokens=9, stop_tokens=[])
+    eng = Engine(model, **SHAPE, speculative=model, num_speculative_tokens=3)
+    assert eng.generate(prompts, max_new_tokens=9, stop_tokens=[]) == want
+    s = eng.stats()
+    assert s["spec_accepted_tokens"] >= 0.9 * s["spec_draft_tokens"] > 0
+
+
+def test_committed_tokens_follow_the_target_distribution(model):
+    """Chi-square over 1500 seeded rows on a 6-token slice of the vocabulary: the first committed
+    token follows softmax(logits / T) whether the draft was accepted or not."""
+    n, temp = 1500, 1.5
+    prompt = [1, 7, 9]
+    _, cache = kimik3.prefill(model, [prompt] * n, max_seq_len=8, backend="reference")
+    logits = np.asarray(kimik3.forward(model, np.array([prompt + [3]]), backend="reference"))[0, -1]
+    p = np.exp((logits - logits.max()) / temp)
+    p /= p.sum()
+    draft = int(np.argmax(p))
+    tokens = np.tile(np.array([[3, draft]]), (n, 1))
+    samples, accepted, _ = _verify(model, cache, tokens, np.full(n, 2), np.arange(n), temperature=temp)
+    first = np.asarray(samples)[:, 0]
+    np.testing.assert_array_equal(np.asarray(accepted), (first == draft).astype(int))
+    top = np.argsort(p)[::-1][:5]  # five likeliest tokens + "any other"
+    obs = np.array([(first == t).sum() for t in top] + [(~np.isin(first, top)).sum()])
+    exp = n * np.append(p[top], 1 - p[top].sum())
+    chi2 = ((obs - exp) ** 2 / exp).sum()
+    assert chi2 < 20.5, (chi2, obs, exp)  # df 5, p = 0.001
+    assert abs((first == draft).mean() - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / n)
+
+
+def test_ngram_drafter_finds_the_latest_repeat():
+    d = NgramDrafter(min_n=2, max_n=3)
+    seq = [5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6]
+    assert d.propose("r", seq, 3) == [9, 2, 5]  # the latest earlier "5 6" was followed by 9 2 5
+    seq += [9, 2]
+    assert d.propose("r", seq, 2) == [5, 6]  # "6 9 2" ... longest match first
+    assert d.propose("r", [1, 2, 3, 4], 3) == []  # nothing repeats
+    assert d.propose("fresh", seq, 0) == []
+
+
+def test_depth_controller_maximises_committed_tokens_per_second():
+    s = Speculator("ngram", "auto")
+    keys = ["a", "b"]
+    for k in s.depths:  # compile calls are not timed
+        s.timed(2, k, 100.0)
+    for _ in range(20):
+        s.record("a", 10, 9)
+        s.record("b", 10, 9)
+    s.timed(2, 0, 0.010)  # a plain token
+    for k, t in ((2, 0.012), (4, 0.014), (7, 0.040)):
+        s.timed(2, k, t)
+    assert s.choose(keys) == 4  # ~4.1 tokens / 14 ms beats 2.7 / 12 ms, 1 / 10 ms, 5.7 / 40 ms
+    s.cycle_s[(2, 4)] = s.cycle_s[(2, 2)] = s.cycle_s[(2, 7)] = 1.0  # speculation too slow: off
+    assert s.choose(keys) == 0
+    assert s.stats()["spec_depth"] == 0
+
+
+def test_bad_speculation_settings_are_one_line_errors(model):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        Engine(model, max_batch=2, max_seq_len=32, speculative="ngram", num_speculative_tokens=9)
+    with pytest.raises(ValueError, match="speculative="):
+        Engine(model, max_batch=2, max_seq_len=32, speculative="eagle")
+    other = kimik3.Model(params=model.params, cfg=model.cfg.replace(vocab_size=300))
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(model, max_batch=2, max_seq_len=32, speculative=other)
