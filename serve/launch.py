@@ -9,6 +9,14 @@ import os
 import sys
 
 
+def _depth(s: str):
+    if s == "auto":
+        return s
+    if s.isdigit() and 1 <= int(s) <= 7:
+        return int(s)
+    raise argparse.ArgumentTypeError(f"expected auto or an integer 1..7, got {s!r}")
+
+
 def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None = "tiny"):
     """Model and engine flags: which weights, on how many devices, with what cache and batch."""
     p.add_argument("--model", default=model_default,
@@ -27,6 +35,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None =
                    help="MLA cache pages (default: enough for every slot at --max-seq-len)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens a slot feeds per step")
     p.add_argument("--decode-steps", type=int, default=4, help="decode steps per device call")
+    p.add_argument("--speculative", choices=("ngram",), default=None,
+                   help="speculative decoding: ngram = drafts looked up in the request's own tokens (no weights)")
+    p.add_argument("--num-speculative-tokens", default="auto", type=_depth,
+                   help="draft depth: auto (chosen by measured tokens per second; 0 = off) or 1..7")
     p.add_argument("--tensor", type=int, default=1, help="tensor parallelism over this many devices")
     p.add_argument("--dcp", type=int, default=1,
                    help="decode context parallelism: split every cache page over this many devices "
@@ -44,7 +56,8 @@ def engine_factory(args):
     def factory():
         return Engine(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
                       num_pages=args.num_pages, prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
-                      tokenizer=tokenizer, dcp_axes=dcp_axes)
+                      tokenizer=tokenizer, dcp_axes=dcp_axes, speculative=args.speculative,
+                      num_speculative_tokens=args.num_speculative_tokens)
 
     factory()  # engine settings are checked now, before anything is served
     name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -152,6 +153,7 @@ class Metrics:
                  "cache_pages_total": "pages_total", "engine_steps": "steps", "engine_failed_steps": "failed_steps"}
         for k, g in gauges.items():
             g.set_function(lambda key=names[k]: aengine.snapshot()[key])
+        r.register(_EngineStats(aengine))
 
     def finished(self, usage: dict, ttft: float | None):
         self.prompt_tokens.inc(usage["prompt_tokens"])
@@ -159,6 +161,18 @@ class Metrics:
         self.output_tokens.inc(usage["completion_tokens"])
         if ttft is not None:
             self.ttft.observe(ttft)
+
+
+class _EngineStats:
+    """Every number of Engine.stats() (prefix cache, speculation) as a gauge kimik3_engine_<key>."""
+
+    def __init__(self, aengine: AsyncEngine):
+        self.aengine = aengine
+
+    def collect(self):
+        for k, v in self.aengine.engine.stats().items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                yield GaugeMetricFamily(f"kimik3_engine_{k}", f"Engine.stats()[{k!r}]", value=v)
 
 
 def _usage(prompt_tokens: int, output_tokens: int, metrics: dict | None) -> dict:

@@ -63,6 +63,7 @@ def test_models_health_and_metrics(served):
     assert health["status"] == "ok" and health["devices"] == 1
     text = httpx.get(server.url + "/metrics").text
     assert "kimik3_requests_running" in text and "kimik3_cache_pages_total" in text
+    assert "kimik3_engine_spec_draft_tokens" in text  # Engine.stats() as gauges
 
 
 def test_completion_chat_and_stream_agree_with_the_engine(served, model):
