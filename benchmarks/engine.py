@@ -1,60 +1,48 @@
-"""Engine decode throughput on a reduced K3 (issue 7): the real per-layer shapes of one TP8 rank
-(12 KDA heads, 12 MLA heads, latent MoE with 896 MXFP4 experts of intermediate 3072/8, shared
-experts 2 x 3072/8, dense layer 0 at 33792/8, vocab 163840/8) with 3 layers: a dense KDA layer, a
-KDA + MoE layer and an MLA + MoE layer. For batch sizes 1..256 it times steady-state decode calls
-of the engine (each call = `decode_steps` tokens per row on device) and compares with a roofline:
-bytes one decode step must read (weights incl. the experts hit, KDA state read + write, MLA cache)
-over the copy bandwidth measured in the same run.
+"""Engine decode throughput on a reduced K3 against its roofline.
 
-Run (repo root): PYTHONUNBUFFERED=1 python3 benchmarks/bench_engine.py   [BENCH_TINY=1 on CPU]
-Knobs: BENCH_BATCHES="1,16,64,256"; BENCH_MLA_CACHE="auto,fp8" (each in turn; "fp8": the MLA
-cache as e4m3 words, Config.mla_cache_dtype="fp8"); BENCH_PROMPT_LEN (default 16: decode at a
-context of 16-56 tokens; 32768: every row prefilled with 32K tokens first, so the decode step
-reads a long MLA history) and BENCH_PREFILL_CHUNK (default 16; tokens a row per prefill call).
-Writes $OUT/bench_engine.json (after every batch size) and prints a table.
+The model has the real per-layer shapes of one TP8 rank (12 KDA heads, 12 MLA heads, latent MoE
+with 896 MXFP4 experts of intermediate 3072/8, shared experts 2 x 3072/8, dense layer 0 at
+33792/8, vocab 163840/8) and 3 layers: a dense KDA layer, a KDA + MoE layer and an MLA + MoE
+layer. For each batch size it times steady-state decode calls of the engine (each call =
+`decode_steps` tokens per row on device) and compares with a roofline: the bytes one decode step
+must move (weights incl. the experts hit, KDA state read + write, MLA cache) over the copy
+bandwidth measured in the same run. First it checks that the engine's greedy tokens with the
+default (Pallas) kernels equal the plain-JAX reference on this device.
+
+    python -m benchmarks engine [--batches 1,16,64,256] [--mla-cache auto,fp8] [--prompt-len 16]
+    python -m benchmarks engine --smoke     # CPU: the tiny preset, batch 1 and 2
 """
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import kimik3
 from serve import Engine, SamplingParams
+from .common import ints_arg, jax_copy_Bps, names_arg
 
-OUT = os.environ.get("OUT", "/tmp")
-TINY = os.environ.get("BENCH_TINY") == "1"
-BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "1,16,64,256").split(",")]
-BUDGET = float(os.environ.get("BENCH_BUDGET_S", "250"))
-MLA_CACHES = os.environ.get("BENCH_MLA_CACHE", "auto").split(",")  # "fp8": e4m3 words
-PROMPT_LEN = int(os.environ.get("BENCH_PROMPT_LEN", "16"))
-PREFILL_CHUNK = int(os.environ.get("BENCH_PREFILL_CHUNK", "16"))
+SMOKE = False  # set by run()
+
+
+def add_args(p):
+    p.add_argument("--batches", type=ints_arg, default=None, help="batch sizes (default 1,16,64,256)")
+    p.add_argument("--mla-cache", type=names_arg, default=["auto"],
+                   help='MLA cache dtypes, each in turn ("fp8": e4m3 words)')
+    p.add_argument("--prompt-len", type=int, default=16,
+                   help="tokens prefilled per row before decode (32768: a long MLA history)")
+    p.add_argument("--prefill-chunk", type=int, default=16, help="tokens a row per prefill call")
 
 
 def reduced_k3(mla_cache="auto"):
-    if TINY:
+    if SMOKE:
         return kimik3.Config.preset("tiny").replace(num_layers=3, layer_types=("kda", "kda", "mla"),
                                                     mla_cache_dtype=mla_cache)
     return kimik3.Config.preset("kimi-k3").replace(
         name="k3-tp8-rank-3L", num_layers=3, layer_types=("kda", "kda", "mla"), kda_num_heads=12,
         mla_num_heads=12, intermediate_size=33792 // 8, moe_intermediate_size=3072 // 8,
         vocab_size=163840 // 8, attn_res_block_size=2, mla_cache_dtype=mla_cache)
-
-
-def copy_bandwidth():
-    x = jnp.ones((1 << 29,) if not TINY else (1 << 20,), jnp.bfloat16)  # 1 GiB
-    f = jax.jit(lambda a: a * 2)
-    f(x).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(10):
-        y = f(x)
-    y.block_until_ready()
-    return 2 * x.nbytes * 10 / (time.perf_counter() - t)
 
 
 def step_bytes(cfg, params, batch, ctx):
@@ -83,19 +71,17 @@ def check_kernels_in_model():
         eng = Engine(m, max_batch=2, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=4, backend=backend)
         outs[backend] = eng.generate(prompts, max_new_tokens=8, stop_tokens=[])
     ok = outs[None] == outs["reference"]
-    print(f"kernels-in-model check (tiny, engine, greedy): {'match' if ok else 'MISMATCH'} "
-          f"{outs[None]} vs {outs['reference']}", flush=True)
-    return ok
+    return ok, outs
 
 
-def time_batch(model, B, steps=8, n_calls=4):
-    """Prefill B rows of PROMPT_LEN random tokens, then time n_calls decode calls of `steps`
+def time_batch(model, B, prompt_len, prefill_chunk, steps=8, n_calls=4):
+    """Prefill B rows of `prompt_len` random tokens, then time n_calls decode calls of `steps`
     tokens a row. Returns (seconds a decode step, the context it ended at, prefill s, warm-up s)."""
-    eng = Engine(model, max_batch=B, max_seq_len=PROMPT_LEN + steps * (n_calls + 2) + 64,
-                 page_size=64, prefill_chunk=PREFILL_CHUNK, decode_steps=steps)
+    eng = Engine(model, max_batch=B, max_seq_len=prompt_len + steps * (n_calls + 2) + 64,
+                 page_size=64, prefill_chunk=prefill_chunk, decode_steps=steps)
     rng = np.random.RandomState(B)
     for i in range(B):
-        eng.submit(list(map(int, rng.randint(0, 256, PROMPT_LEN))),
+        eng.submit(list(map(int, rng.randint(0, 256, prompt_len))),
                    SamplingParams(max_new_tokens=steps * (n_calls + 2), stop_tokens=()),
                    request_id=i)
     t0 = time.perf_counter()
@@ -114,42 +100,43 @@ def time_batch(model, B, steps=8, n_calls=4):
         eng.step()
     jax.block_until_ready(eng.layers)
     dt = (time.perf_counter() - t0) / (n_calls * steps)
-    return dt, PROMPT_LEN + steps * (n_calls + 1), prefill_s, warm
+    return dt, prompt_len + steps * (n_calls + 1), prefill_s, warm
 
 
-def main():
-    t_start = time.perf_counter()
-    check = check_kernels_in_model()
-    bw = copy_bandwidth()
-    results = {"copy_bw": bw, "kernels_match_reference": check, "prompt_len": PROMPT_LEN,
-               "prefill_chunk": PREFILL_CHUNK, "rows": []}
-    print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    for mla_cache in MLA_CACHES:
+def run(rec, args):
+    global SMOKE
+    SMOKE = args.smoke
+    batches = args.batches or ([2] if SMOKE else [1, 16, 64, 256])
+    # on the CPU the default backend is the reference itself: nothing to compare
+    ok, outs = (None, None) if SMOKE else check_kernels_in_model()
+    rec.details.update(kernels_match_reference=ok, prompt_len=args.prompt_len,
+                       prefill_chunk=args.prefill_chunk, runs=[])
+    rec.log(f"kernels in the model (tiny, engine, greedy): {ok}")
+    if ok is False:
+        rec.data["errors"]["kernels_in_model"] = f"default {outs[None]} vs reference {outs['reference']}"
+    bw = jax_copy_Bps(SMOKE)
+    rec.details["copy_Bps"] = bw
+    for mla_cache in args.mla_cache:
         cfg = reduced_k3(mla_cache)
         model = kimik3.init(cfg, seed=0)
         jax.block_until_ready(model.params)
-        results["config"] = cfg.name
-        print(f"{cfg.name}, MLA cache {mla_cache}: params "
-              f"{sum(x.nbytes for x in jax.tree.leaves(model.params)) / 1e9:.2f} GB", flush=True)
-        for B in BATCHES:
-            if time.perf_counter() - t_start > BUDGET:
-                print(f"budget reached before B={B}, MLA cache {mla_cache}")
-                break
-            dt, ctx, prefill_s, warm = time_batch(model, B)
+        rec.details["config"] = cfg.name
+        for B in batches:
+            case = f"B{B} MLA cache {mla_cache}"
+            if rec.skip(case):
+                continue
+            dt, ctx, prefill_s, warm = time_batch(model, B, args.prompt_len, args.prefill_chunk)
             nbytes, parts = step_bytes(cfg, model.params, B, ctx)
-            row = dict(batch=B, mla_cache=mla_cache, context=ctx, step_us=dt * 1e6,
-                       tokens_per_s=B / dt, per_layer_us=dt * 1e6 / cfg.num_layers,
-                       roofline_us=nbytes / bw * 1e6, fraction_of_roofline=nbytes / bw / dt,
-                       bytes=parts, prefill_s=prefill_s, warmup_s=warm)
-            results["rows"].append(row)
-            print(f"B={B:4d} MLA cache {mla_cache:4s} ctx {ctx:6d}: {dt * 1e6:9.1f} us/step "
-                  f"{B / dt:10.1f} tok/s  roofline {nbytes / bw * 1e6:8.1f} us "
-                  f"({100 * nbytes / bw / dt:5.1f}%; MLA cache {parts['mla'] / 1e6:.0f} MB)  "
-                  f"prefill {prefill_s:.1f}s  warmup {warm:.1f}s", flush=True)
-            with open(os.path.join(OUT, "bench_engine.json"), "w") as f:
-                json.dump(results, f, indent=1)
+            roof = nbytes / bw
+            rec.details["runs"].append(dict(
+                batch=B, mla_cache=mla_cache, context=ctx, step_us=dt * 1e6, tokens_per_s=B / dt,
+                per_layer_us=dt * 1e6 / cfg.num_layers, roofline_us=roof * 1e6,
+                fraction_of_roofline=roof / dt, bytes=parts, prefill_s=prefill_s, warmup_s=warm))
+            rec.log(f"{case} ctx {ctx}: {dt * 1e6:.1f} us/step, {B / dt:.1f} tok/s, roofline "
+                    f"{roof * 1e6:.1f} us ({100 * roof / dt:.1f}%)")
+            # % of limit: the roofline step time (bytes a step must move / copy bandwidth) over ours
+            cache = "fp8" if mla_cache == "fp8" else "bf16"
+            rec.row("Engine decode, 3-layer K3 TP8-rank slice (step time; % of its roofline)",
+                    f"B{B} ctx {ctx}, MLA cache {cache}", dt * 1e6, "us", limit_pct=100 * roof / dt,
+                    note=f"{B / dt:.0f} tokens/s")
         del model
-
-
-if __name__ == "__main__":
-    main()

@@ -1,80 +1,51 @@
-"""MLA decode sweep (one device call): copy bandwidth, a few GPU correctness checks, then a few
-kernel configurations x (16 heads; B 1 / 16 / 64; 32K / 128K; bf16 and fp8 cache).
+"""MLA decode: GPU time of the absorbed decode over a paged latent cache against the copy
+bandwidth, bf16 and fp8 caches (float8 and the words form), after GPU correctness checks.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_mla_decode.py   # on the H200
-    (about 150 s: give the device call timeout_s 300. MLA_BENCH_BUDGET_S (default 140) stops
-    starting new cases once that many seconds have passed since the start; the JSON lists the
-    cases it skipped. MLA_BENCH_SHAPES="16x131072,1x32768" runs only those B x ctx shapes and
-    MLA_BENCH_CHECKS="0,3" runs only those checks (indices into CHECKS);
-    MLA_BENCH_SKIP_CHECKS=1 leaves out the correctness checks, for a second call.)
-    MLA_BENCH_DRY=1 ...     tiny interpret-mode run on CPU (checks the script, no timings)
-    MLA_BENCH_LOWER=1 ...   lower every swept (shape, config) for CUDA on CPU through
-                            kernels_pallas/gpu_lowering.py (Pallas -> Triton IR with an H200 gpu_info)
-    Results and their reading: benchmarks/results_mla.md.
+    python -m benchmarks mla [--shapes 16x32768,64x131072] [--configs bf16:default,fp8w:default]
+    python -m benchmarks mla --heads 16x32768x128,1x131072x96 --head-configs default
+    python -m benchmarks mla --lower      # CPU: lower every swept (shape, config) for CUDA
+    python -m benchmarks mla --smoke      # CPU: interpret mode, tiny shapes, no timings
 
-1. Copy bandwidth of this GPU, in this run: torch `dst.copy_(src)` (2 GiB bf16, CUDA events, in a
-   subprocess before JAX takes the GPU) and a JAX elementwise copy (x * 2); bytes = read + written.
-2. Correctness on the GPU: the new default configs and each variant (page / token loads, fp8
-   mixed / tile / operand upcasts, per-token and per-tensor scales, Tq 4, ragged lengths, 12
-   heads) against the fp32 plain-JAX reference.
-3. The sweep. Configs (CONFIGS below): "old" is the 2026-11-29 kernel (token load, "fill"
-   splits, fp8 "operand" upcast, block_k 64, 4 warps, 2 stages); "default" is default_config;
-   the rest are alternatives that compile for sm_90 without spilling much. Bytes = cache bytes
-   read (B x L x 576 x itemsize, + 4 B a token for the fp8 per-token scale); time = the GPU
-   time of the whole op (the Pallas kernel, the split merge, the q cast), summed from the
-   profiler's kernel durations (benchmarks/kernel_timer.py; the host's launches, which bound
-   every batch-1 row of 2026-11-29, are not in it: the wall clock of the old method is kept as
-   wall_us), each call running n_inner (2-4) decodes over different page tables of one 9.7 GB
-   page pool (page size 64, pages shuffled), so no case is served from L2. Then 12 heads (one
-   TP8 rank, padded to 16 rows) and 128 heads at a few shapes.
-   MLA_BENCH_CONFIGS="bf16:default,fp8:tile-f16" keeps only the named configurations;
-   MLA_BENCH_EXTRA="bf16:p16:partials=bfloat16;bf16:sp66:num_splits=66" adds configurations
-   (dtype:name:key=value,...; ints where they parse). The head-count rows: MLA_BENCH_HEADS=
-   "16x32768x128,1x131072x96" (B x ctx x heads) and MLA_BENCH_HEAD_CONFIGS="default,bk64s2"
-   (names from CONFIGS; default "default,mixed-bf16"); MLA_BENCH_SHAPE_CONFIGS="default,p16": the
-   names the 16-head shapes run (default: all).
-   Each case also reports the rate of a JAX copy moving the same bytes (profiler time, as for
-   the decode): at B1 a decode reads 19-76 MB, where a copy too pays launch and fill. JAX's
-   x * 2 is slower than torch's copy at every size, so that ratio flatters the decode.
-Writes $OUT/bench_mla.json after every case and $OUT/bench_mla.log; prints a table last
-(% of the torch copy bandwidth; best config per shape).
+1. Copy bandwidth in this run: torch `dst.copy_(src)` (2 GiB bf16, CUDA events, in a subprocess
+   before JAX takes the GPU) and a JAX elementwise copy (x * 2); bytes = read + written.
+2. Correctness on the GPU (CHECKS): the default configs and each variant (page / token loads,
+   fp8 upcasts, per-token and per-tensor scales, Tq 4, ragged lengths, 12 / 96 / 128 heads)
+   against the fp32 plain-JAX reference.
+3. Timing (CONFIGS; `--config dtype:name:k=v,...` adds one): bytes = cache bytes read
+   (B x L x 576 x itemsize, + 4 B a token for the fp8 per-token scale); time = the GPU time of
+   the whole op (the Pallas kernel, the split merge, the q cast) from the profiler, each call
+   running 2-4 decodes over different page tables of one large shuffled page pool, so no case
+   is served from L2. Each case also reports the rate of a JAX copy moving the same bytes (at
+   B1 a decode reads tens of MB, where a copy too pays launch and fill). Then the head-count
+   rows (`--heads`, compute-bound at 96-128 heads: TFLOP/s in the details).
+Rows: the default configuration of each cache form, % of the torch copy bandwidth.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import statistics
 import subprocess
 import sys
-import time
-import types
-import warnings
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-DRY = os.environ.get("MLA_BENCH_DRY") == "1"
-LOWER = os.environ.get("MLA_BENCH_LOWER") == "1"
-OUT = os.environ.get("OUT", "/tmp/bench_mla_out")
-os.makedirs(OUT, exist_ok=True)
-T_START = time.time()
-BUDGET_S = float(os.environ.get("MLA_BENCH_BUDGET_S", "140"))
-LOG = open(os.path.join(OUT, "bench_mla.log"), "w")
+from kernels_pallas.mla import fp8_to_words, mla_decode, mla_decode_reference
+from kernels_pallas.mla.decode import resolve_config, smem_bytes
+from .common import jax_copy_Bps, names_arg, shapes_arg, wall_ms
+from .config_strings import parse_overrides
+from .kernel_timer import kernel_times
 
 PAGE = 64
 HEADS = 16
 SCALE = 1.0 / math.sqrt(192.0)
-SHAPES = [(16, 32768), (64, 131072), (1, 131072), (64, 32768), (16, 131072), (1, 32768),
-          (1, 4096), (16, 4096), (64, 4096)]
-if DRY:
-    SHAPES = [(2, 512), (1, 1024)]
-if os.environ.get("MLA_BENCH_SHAPES"):     # e.g. "16x131072,1x32768": only these (B x ctx)
-    SHAPES = [tuple(int(v) for v in s.split("x"))
-              for s in os.environ["MLA_BENCH_SHAPES"].split(",")]
-SKIP_CHECKS = os.environ.get("MLA_BENCH_SKIP_CHECKS") == "1"
-# "fp8w": the fp8 cache in the words form (uint16 [..., 288], the same bytes; kernels_pallas.mla
-# fp8_to_words), read by the "words" upcasts
-DTYPES = ("bf16", "fp8", "fp8w")
+DTYPES = ("bf16", "fp8", "fp8w")   # "fp8w": the fp8 cache in the words form (uint16 [..., 288])
+F8 = jnp.float8_e4m3fn
+CACHE_DTYPE = {"bf16": jnp.bfloat16, "fp8": F8, "fp8w": jnp.uint16}
+FORM = {"bf16": "bf16", "fp8w": "fp8 words", "fp8": "fp8 float8"}
+A = None          # the parsed options of this run (set by `run`)
+REC = None        # its Record
+TORCH_BW = None   # torch's copy bandwidth, measured by prepare_env before JAX takes the GPU
 _OLD = dict(block_k=64, num_warps=4, num_stages=2, load="token", num_splits="fill",
             fp8_upcast="operand")
 CONFIGS = {
@@ -102,31 +73,26 @@ CONFIGS = {
 CACHE_WIDTH = {"bf16": 576, "fp8": 576, "fp8w": 288}
 
 
-def _parse_value(v):
-    try:
-        return int(v)
-    except ValueError:
-        return v
 
-
-for _item in filter(None, os.environ.get("MLA_BENCH_EXTRA", "").split(";")):
-    _dt, _name, _kv = _item.split(":")
-    CONFIGS[_dt][_name] = {k: _parse_value(v) for k, v in
-                           (kv.split("=") for kv in _kv.split(",") if kv)}
-if os.environ.get("MLA_BENCH_CONFIGS"):    # e.g. "bf16:default,fp8:default": only these
-    _keep = {tuple(c.split(":")) for c in os.environ["MLA_BENCH_CONFIGS"].split(",")}
-    CONFIGS = {dt: {n: c for n, c in cs.items() if (dt, n) in _keep} for dt, cs in CONFIGS.items()}
-
-
-def log(*a):
-    s = f"[{time.time() - T_START:5.0f}s] " + " ".join(str(x) for x in a)
-    print(s, flush=True)
-    LOG.write(s + "\n")
-    LOG.flush()
-
-
-def elapsed():
-    return time.time() - T_START
+def add_args(p):
+    p.add_argument("--shapes", type=shapes_arg,
+                   default=shapes_arg("16x32768,64x131072,1x131072,64x32768,16x131072,1x32768,1x4096,16x4096,64x4096"),
+                   help="B x context, 16 heads")
+    p.add_argument("--configs", type=names_arg, default=None,
+                   help="keep only these dtype:name configurations (e.g. bf16:default,fp8w:int)")
+    p.add_argument("--config", action="append", default=[], metavar="DTYPE:NAME:k=v,...",
+                   help="add a configuration, e.g. bf16:p16:partials=bfloat16 (repeatable)")
+    p.add_argument("--shape-configs", type=names_arg, default=None,
+                   help="configuration names the 16-head shapes run (default: all)")
+    p.add_argument("--heads", type=shapes_arg, default=shapes_arg("16x32768x12,16x32768x128,64x32768x128,1x131072x128"),
+                   help="B x context x heads rows (empty: none)")
+    p.add_argument("--head-configs", type=names_arg, default=["default", "mixed-bf16"],
+                   help="configuration names the head-count rows run")
+    p.add_argument("--checks", type=names_arg, default=None,
+                   help="indices into CHECKS to run (default all)")
+    p.add_argument("--skip-checks", action="store_true", help="no correctness checks")
+    p.add_argument("--lower", action="store_true",
+                   help="only lower every swept (shape, config) for CUDA (CPU, no GPU needed)")
 
 
 TORCH_COPY = r"""
@@ -143,147 +109,65 @@ print(torch.cuda.get_device_name(0), 2 * n * 2 / t)
 """
 
 
-def torch_copy_bw():
+def prepare_env(args):
+    """torch's copy bandwidth in a subprocess, before this process's JAX takes the GPU."""
+    global TORCH_BW
+    if args.smoke or args.lower:
+        return
     try:
         r = subprocess.run([sys.executable, "-c", TORCH_COPY], capture_output=True, text=True,
                            timeout=90)
-        name, bw = r.stdout.strip().splitlines()[-1].rsplit(" ", 1)
-        return name, float(bw)
-    except Exception as e:  # noqa: BLE001
-        log("torch copy failed:", repr(e)[:200])
-        return None, None
+        TORCH_BW = float(r.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1])
+    except Exception as e:  # noqa: BLE001 - the JAX copy stands in
+        print("torch copy failed:", repr(e)[:200], flush=True)
 
 
-DEVICE_NAME, TORCH_BW = (None, None) if (DRY or LOWER) else torch_copy_bw()
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
-# Load kernels_pallas.mla without running kernels_pallas/__init__.py (which imports the other
-# kernel families): this benchmark then does not depend on their state.
-_pkg = types.ModuleType("kernels_pallas")
-_pkg.__path__ = [os.path.join(_ROOT, "kernels_pallas")]
-sys.modules.setdefault("kernels_pallas", _pkg)
-from kernels_pallas.mla import fp8_to_words, mla_decode, mla_decode_reference  # noqa: E402
-from kernels_pallas.mla.decode import resolve_config, smem_bytes  # noqa: E402
-from kernel_timer import kernel_times  # noqa: E402
-
-BACKEND = "interpret" if DRY else "pallas"
-F8 = jnp.float8_e4m3fn
-CACHE_DTYPE = {"bf16": jnp.bfloat16, "fp8": F8, "fp8w": jnp.uint16}
+def pool_pages():
+    return (4096 if A.smoke else 64 * 131072) // PAGE   # 8.4M tokens: 9.7 GB bf16, 4.8 GB fp8
 
 
-def shape_structs(B, ctx, dtype, pool_pages):
+def shape_structs(B, ctx, dtype):
+    P = pool_pages()
     q = jax.ShapeDtypeStruct((B, 1, HEADS, 576), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((pool_pages, PAGE, CACHE_WIDTH[dtype]), CACHE_DTYPE[dtype])
+    cache = jax.ShapeDtypeStruct((P, PAGE, CACHE_WIDTH[dtype]), CACHE_DTYPE[dtype])
     pt = jax.ShapeDtypeStruct((B, ctx // PAGE), jnp.int32)
     ln = jax.ShapeDtypeStruct((B,), jnp.int32)
-    cs = None if dtype == "bf16" else jax.ShapeDtypeStruct((pool_pages, PAGE), jnp.float32)
+    cs = None if dtype == "bf16" else jax.ShapeDtypeStruct((P, PAGE), jnp.float32)
     return q, cache, pt, ln, cs
-
-
-POOL_TOKENS = 4096 if DRY else 64 * 131072       # 8.4M tokens: 9.7 GB bf16, 4.8 GB fp8
-POOL_PAGES = POOL_TOKENS // PAGE
 
 
 def full_cfg(B, ctx, dtype, cfg, heads=HEADS):
     kw = {k: v for k, v in cfg.items() if k not in ("merge", "partials")}
     # partials: mla_decode's default for the bench's bf16 output
-    return dict(resolve_config((B, 1, heads, 576), (POOL_PAGES, PAGE, CACHE_WIDTH[dtype]),
+    return dict(resolve_config((B, 1, heads, 576), (pool_pages(), PAGE, CACHE_WIDTH[dtype]),
                                CACHE_DTYPE[dtype], (B, ctx // PAGE), **kw),
                 merge=cfg.get("merge", "pallas"), partials=cfg.get("partials", "bfloat16"))
 
 
-# ---------------------------------------------------------------- lowering check (CPU)
-if LOWER:
-    from kernels_pallas.gpu_lowering import lower_for_gpu  # noqa: E402
-
-    n_ok = n_bad = 0
+def lower_all():
+    """Lower every swept (shape, config) for CUDA on the CPU (kernels_pallas.gpu_lowering)."""
+    from kernels_pallas.gpu_lowering import lower_for_gpu
+    bad = 0
     for dtype in DTYPES:
-        for B, ctx in SHAPES:
+        for B, ctx in A.shapes:
             for name, cfg in CONFIGS[dtype].items():
-                q, cache, pt, ln, cs = shape_structs(B, ctx, dtype, POOL_PAGES)
+                q, cache, pt, ln, cs = shape_structs(B, ctx, dtype)
                 fc = full_cfg(B, ctx, dtype, cfg)
                 try:
-                    if cs is None:
-                        lower_for_gpu(lambda q, c, p, l: mla_decode(
-                            q, c, p, l, scale=SCALE, backend="pallas", **cfg), q, cache, pt, ln)
-                    else:
-                        lower_for_gpu(lambda q, c, p, l, s: mla_decode(
-                            q, c, p, l, scale=SCALE, backend="pallas", cache_scale=s, **cfg),
-                            q, cache, pt, ln, cs)
-                    n_ok += 1
+                    lower_for_gpu(lambda q, c, p, l, s=None: mla_decode(
+                        q, c, p, l, scale=SCALE, backend="pallas", cache_scale=s, **cfg),
+                        q, cache, pt, ln, *([] if cs is None else [cs]))
                     res = "OK"
                 except Exception as e:  # noqa: BLE001
-                    n_bad += 1
+                    bad += 1
                     res = f"FAIL {type(e).__name__}: {str(e)[:300]}"
+                    REC.data["errors"][f"lower {dtype} B{B} {ctx} {name}"] = res
                 smem = smem_bytes(fc["block_h"], fc["block_k"], fc["num_stages"],
                                   1 if dtype != "bf16" else 2, fc["fp8_upcast"])
-                log(f"lower {dtype} B{B} {ctx // 1024}K {name:12s} {fc} smem~{smem // 1024}KiB: "
-                    f"{res}")
-    log(f"lowering: {n_ok} OK, {n_bad} failed")
-    sys.exit(1 if n_bad else 0)
+                REC.log(f"lower {dtype} B{B} {ctx // 1024}K {name:12s} {fc} smem~{smem // 1024}KiB: {res}")
+    return bad
 
 
-RESULTS = {"device": DEVICE_NAME or str(jax.devices()[0].device_kind), "jax": jax.__version__,
-           "torch_copy_Bps": TORCH_BW, "configs": CONFIGS, "correctness": [], "cases": [],
-           "errors": [], "skipped": []}
-
-
-def save():
-    with open(os.path.join(OUT, "bench_mla.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
-
-
-def wall(fn, *args, reps=3, back_to_back=1, info=None):
-    """Median over `reps` of the time per call of `back_to_back` calls issued without waiting
-    (the host dispatch of one call overlaps the device work of the one before). info, a dict,
-    gets the first call's time (compile included) as "first_call_s"."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    if info is not None:
-        info["first_call_s"] = time.perf_counter() - t0
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(back_to_back)]
-        jax.block_until_ready(outs)
-        ts.append((time.perf_counter() - t0) / back_to_back)
-    return statistics.median(ts)
-
-
-def jax_copy_bw():
-    n = 1 << (20 if DRY else 30)
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    t = wall(jax.jit(lambda a: a * 2), x, reps=10)
-    del x
-    return 2 * n * 2 / t
-
-
-JAX_BW = jax_copy_bw()
-COPY_BW = TORCH_BW or JAX_BW
-RESULTS.update(jax_copy_Bps=JAX_BW, copy_Bps_used=COPY_BW)
-save()
-log(f"device {RESULTS['device']}  jax {jax.__version__}  copy bandwidth: torch "
-    f"{(TORCH_BW or 0) / 1e12:.2f} TB/s, jax x*2 {JAX_BW / 1e12:.2f} TB/s  "
-    f"(fractions below are of {COPY_BW / 1e12:.2f} TB/s)")
-
-
-def safe(fn, *a, **k):
-    try:
-        return fn(*a, **k)
-    except Exception as e:  # noqa: BLE001
-        msg = f"{fn.__name__}{a}{k}: {type(e).__name__}: {str(e)[:400]}"
-        RESULTS["errors"].append(msg)
-        log("ERROR", msg)
-        save()
-        return None
-
-
-# ---------------------------------------------------------------- correctness
 def correctness(B, Tq, H, lengths, dtype, scale_kind, cfg, seed, page=PAGE):
     rng = np.random.default_rng(seed)
     maxp = -(-max(lengths) // page) + 1
@@ -304,7 +188,7 @@ def correctness(B, Tq, H, lengths, dtype, scale_kind, cfg, seed, page=PAGE):
         cache = fp8_to_words(cache)
     q = jax.random.normal(k2, (B, Tq, H, 576), jnp.float32).astype(jnp.bfloat16)
     ln = jnp.asarray(lengths, jnp.int32)
-    o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, cache_scale=cs, backend=BACKEND,
+    o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, cache_scale=cs, backend=A.backend,
                         out_dtype=jnp.float32, **cfg)
     ro, rlse = mla_decode_reference(q, cache, pt, ln, scale=SCALE, cache_scale=cs,
                                     out_dtype=jnp.float32)
@@ -314,17 +198,14 @@ def correctness(B, Tq, H, lengths, dtype, scale_kind, cfg, seed, page=PAGE):
     lse_err = float(np.max(np.abs(lse[fin] - rlse[fin]), initial=0))
     ok = (np.all(np.isfinite(o)) and np.array_equal(np.isneginf(lse), np.isneginf(rlse))
           and np.all(o[~fin] == 0) and rel < 1e-2 and lse_err < 1e-2)
-    RESULTS["correctness"].append(dict(B=B, Tq=Tq, H=H, lengths=lengths, dtype=dtype,
+    REC.details["correctness"].append(dict(B=B, Tq=Tq, H=H, lengths=lengths, dtype=dtype,
                                        scale=scale_kind, page=page, cfg=cfg, rel_err=rel,
                                        lse_max_err=lse_err, ok=bool(ok)))
-    save()
-    log(f"check B{B} Tq{Tq} H{H} page{page} {dtype}/{scale_kind} {cfg}: rel {rel:.2e} "
+    REC.save()
+    REC.log(f"check B{B} Tq{Tq} H{H} page{page} {dtype}/{scale_kind} {cfg}: rel {rel:.2e} "
         f"lse {lse_err:.1e} -> {'OK' if ok else 'FAIL'}")
     return ok
 
-
-def _short(n):
-    return min(n, 300) if DRY else n
 
 
 CHECKS = [   # (B, Tq, H, lengths, dtype, scale kind, cfg, page size)
@@ -365,33 +246,23 @@ CHECKS = [   # (B, Tq, H, lengths, dtype, scale kind, cfg, page size)
     (2, 4, 24, [3001, 64], "fp8w", "tensor", dict(block_k=64, num_stages=1), PAGE),
     (2, 4, 16, [3001, 64], "fp8w", "token", {}, PAGE),    # 64 rows at the default ("words")
 ]
-# MLA_BENCH_CHECKS="0,3": only these checks (indices into CHECKS)
-_CHECK_IDS = os.environ.get("MLA_BENCH_CHECKS")
-for i, (B, Tq, H, lens, dt, sk, cfg, pg) in enumerate([] if SKIP_CHECKS else CHECKS):
-    if _CHECK_IDS and str(i) not in _CHECK_IDS.split(","):
-        continue
-    safe(correctness, B, Tq, H, [_short(n) for n in lens], dt, sk, cfg, seed=100 + i, page=pg)
 
-# ---------------------------------------------------------------- timing
+
 _pool = {}
 
 
 def pool(dtype):
     if dtype not in _pool:
         k = jax.random.key(7)
+        P = pool_pages()
         if dtype == "bf16":
-            _pool[dtype] = (jax.random.normal(k, (POOL_PAGES, PAGE, 576), jnp.bfloat16), None)
+            _pool[dtype] = (jax.random.normal(k, (P, PAGE, 576), jnp.bfloat16), None)
+        elif dtype == "fp8":
+            p8 = jax.jit(lambda k: jax.random.normal(k, (P, PAGE, 576), jnp.bfloat16).astype(F8))(k)
+            _pool[dtype] = (p8, jax.random.uniform(k, (P, PAGE), jnp.float32, 0.01, 0.03))
         else:
-            p8 = jax.jit(lambda k: jax.random.normal(k, (POOL_PAGES, PAGE, 576), jnp.bfloat16)
-                         .astype(F8))(k)
-            cs = jax.random.uniform(k, (POOL_PAGES, PAGE), jnp.float32, 0.01, 0.03)
-            _pool[dtype] = (p8, cs)
-            if dtype == "fp8w":
-                _pool[dtype] = (fp8_to_words(pool("fp8")[0]), pool("fp8")[1])
+            _pool[dtype] = (fp8_to_words(pool("fp8")[0]), pool("fp8")[1])
     return _pool[dtype]
-
-
-PERM = np.random.default_rng(0).permutation(POOL_PAGES).astype(np.int32)
 
 
 _SAME_SIZE_BW = {}
@@ -401,7 +272,7 @@ def same_size_copy_bw(nbytes):
     """GPU time (profiler) of a JAX elementwise copy moving `nbytes` in all (read + written), as
     bytes/s: the copy rate at the decode's own size, where launch and fill are not amortised (a
     B1 32K decode reads 38 MB; the main anchor above moves 4 GiB). None on CPU."""
-    if DRY:
+    if A.smoke:
         return None
     if nbytes not in _SAME_SIZE_BW:
         n = max(1024, nbytes // 4)
@@ -411,16 +282,18 @@ def same_size_copy_bw(nbytes):
     return _SAME_SIZE_BW[nbytes]
 
 
+
 def time_decode(B, ctx, dtype, name, cfg, heads=HEADS):
     pages = B * (ctx // PAGE)
     cache, cs = pool(dtype)
     itemsize = 1 if dtype != "bf16" else 2
     bytes_read = B * ctx * (576 * itemsize + (4 if dtype != "bf16" else 0))
-    R = max(1, min(8, POOL_PAGES // pages))                     # distinct page tables
+    R = max(1, min(8, pool_pages() // pages))                     # distinct page tables
     # decodes per timed call: ~0.5 ms of work at 3 TB/s, 2 to 4 (each is one more kernel to
     # compile); five calls are issued back to back, so the dispatch is hidden too
-    n_inner = 2 if DRY else int(min(4, max(2, math.ceil(5e-4 * 3e12 / bytes_read))))
-    pts = tuple(jnp.asarray(PERM[(r * pages) % (POOL_PAGES - pages + 1):][:pages]
+    n_inner = 2 if A.smoke else int(min(4, max(2, math.ceil(5e-4 * 3e12 / bytes_read))))
+    perm = np.random.default_rng(0).permutation(pool_pages()).astype(np.int32)
+    pts = tuple(jnp.asarray(perm[(r * pages) % (pool_pages() - pages + 1):][:pages]
                             .reshape(B, ctx // PAGE)) for r in range(R))
     lens = jnp.full((B,), ctx, jnp.int32)
     # A different q for every inner call: identical calls would be merged by XLA's CSE.
@@ -432,13 +305,13 @@ def time_decode(B, ctx, dtype, name, cfg, heads=HEADS):
     @jax.jit
     def run(qs, cache, pts, lens, cs):
         return [mla_decode(qs[i], cache, pts[i % R], lens, scale=SCALE, cache_scale=cs,
-                           backend=BACKEND, **cfg) for i in range(n_inner)]
+                           backend=A.backend, **cfg) for i in range(n_inner)]
 
     info = {}
-    t_wall = wall(run, qs, cache, pts, lens, cs, back_to_back=5, info=info) / n_inner
+    t_wall = wall_ms(run, qs, cache, pts, lens, cs, n=5, reps=3) * 1e-3 / n_inner
     # GPU time from the profiler: the kernels of one decode (the Pallas kernel + the merge and
     # q cast), without the host's launches; the wall clock is kept beside it.
-    kt = None if DRY else kernel_times(run, qs, cache, pts, lens, cs, reps=5)
+    kt = None if A.smoke else kernel_times(run, qs, cache, pts, lens, cs, reps=5)
     if kt is not None:
         t = kt["total_us"] / n_inner / 1e6
         info.update(kernel_us=kt["total_us"] / n_inner,
@@ -454,7 +327,8 @@ def time_decode(B, ctx, dtype, name, cfg, heads=HEADS):
         info.update(same_size_copy_Bps=same, frac_same_size_copy=bytes_read / t / same)
     return dict(B=B, ctx=ctx, H=heads, dtype=dtype, name=name, cfg=fc, time_us=t * 1e6,
                 wall_us=t_wall * 1e6, bytes=bytes_read, Bps=bytes_read / t,
-                frac_copy=bytes_read / t / COPY_BW, n_inner=n_inner, R=R, **info)
+                frac_copy=bytes_read / t / REC.details["copy_Bps_used"], n_inner=n_inner, R=R, **info)
+
 
 
 def fmt(r):
@@ -471,62 +345,64 @@ def fmt(r):
             f"{100 * r['frac_copy']:5.1f}%{same}  [{cs}]{ker}")
 
 
-_SHAPE_CONFIGS = os.environ.get("MLA_BENCH_SHAPE_CONFIGS")   # names for the main loop only
-for B, ctx in SHAPES:
-    for dtype in DTYPES:
-        for name, cfg in CONFIGS[dtype].items():
-            if _SHAPE_CONFIGS is not None and name not in _SHAPE_CONFIGS.split(","):
-                continue
-            if elapsed() > BUDGET_S:
-                RESULTS["skipped"].append(dict(B=B, ctx=ctx, dtype=dtype, name=name))
-                continue
-            r = safe(time_decode, B, ctx, dtype, name, cfg)
-            if r is not None:
-                RESULTS["cases"].append(r)
-                save()
-                log("case", fmt(r), f"(first call {r['first_call_s']:.1f} s)")
 
-# Head counts: 12 (one TP8 rank, padded to 16 rows) and 128 (all of K3's heads on one GPU,
-# compute-bound: TFLOP/s in the JSON), default configs.
-# (left out when MLA_BENCH_SHAPES names the shapes)
-_HEAD_SHAPES = [(16, 32768, 12), (16, 32768, 128), (64, 32768, 128), (1, 131072, 128)]
-if os.environ.get("MLA_BENCH_HEADS") is not None:
-    _HEAD_SHAPES = [tuple(int(v) for v in s.split("x"))
-                    for s in os.environ["MLA_BENCH_HEADS"].split(",") if s]
-elif DRY or os.environ.get("MLA_BENCH_SHAPES"):
-    _HEAD_SHAPES = []
-_HEAD_CONFIGS = os.environ.get("MLA_BENCH_HEAD_CONFIGS", "default,mixed-bf16").split(",")
-for B, ctx, heads in _HEAD_SHAPES:
-    for dtype, name in [(dt, n) for dt in DTYPES for n in _HEAD_CONFIGS if n in CONFIGS[dt]]:
-        if elapsed() > BUDGET_S:
-            RESULTS["skipped"].append(dict(B=B, ctx=ctx, dtype=dtype, name=name, H=heads))
+def add_configs():
+    for item in A.config:
+        dt, name, kv = item.split(":")
+        CONFIGS[dt][name] = parse_overrides(kv)
+    if A.configs:
+        keep = {tuple(c.split(":")) for c in A.configs}
+        for dt in CONFIGS:
+            CONFIGS[dt] = {n: c for n, c in CONFIGS[dt].items() if (dt, n) in keep}
+
+
+def run(rec, args):
+    global A, REC
+    A, REC = args, rec
+    A.backend = "interpret" if A.smoke else "pallas"
+    add_configs()
+    if A.smoke:   # each code path once: a check and a default config per cache form
+        A.shapes, A.heads, A.shape_configs = [(2, 512)], [], ["default"]
+        A.checks = A.checks or ["12"]   # the words form, the CUDA default's cache
+    if A.lower:
+        lower_all()
+        return
+    jbw = jax_copy_Bps(A.smoke)
+    REC.details.update(configs=CONFIGS, correctness=[], cases=[], torch_copy_Bps=TORCH_BW,
+                       jax_copy_Bps=jbw, copy_Bps_used=TORCH_BW or jbw)
+    REC.log(f"copy bandwidth: torch {(TORCH_BW or 0) / 1e12:.2f} TB/s, jax x*2 {jbw / 1e12:.2f} TB/s")
+    for i, (B, Tq, H, lens, dt, sk, cfg, pg) in enumerate([] if A.skip_checks else CHECKS):
+        if A.checks and str(i) not in A.checks:
             continue
-        r = safe(time_decode, B, ctx, dtype, name, CONFIGS[dtype][name], heads=heads)
-        if r is not None:
+        lens = [min(n, 100) for n in lens] if A.smoke else lens
+        REC.guard(f"check {i}", correctness, B, Tq, H, lens, dt, sk, cfg, seed=100 + i, page=pg)
+    bad = [c for c in REC.details["correctness"] if not c["ok"]]
+    if bad:
+        REC.data["errors"]["correctness"] = f"{len(bad)} GPU checks failed: {bad}"[:3000]
+    for B, ctx in A.shapes:
+        for dtype in DTYPES:
+            for name, cfg in CONFIGS[dtype].items():
+                if A.shape_configs is not None and name not in A.shape_configs:
+                    continue
+                r = REC.guard(f"{dtype} B{B} {ctx} {name}", time_decode, B, ctx, dtype, name, cfg)
+                if r is None:
+                    continue
+                REC.details["cases"].append(r)
+                REC.log("case", fmt(r))
+                if name == "default":
+                    REC.row(f"MLA decode, {HEADS} heads (GPU time of the op)",
+                            f"{FORM[dtype]} cache, B{B} {ctx // 1024}K", r["time_us"], "us",
+                            limit_pct=100 * r["frac_copy"], note="of copy")
+    for B, ctx, heads in A.heads:   # compute-bound at 96-128 heads
+        for dtype, name in [(dt, n) for dt in DTYPES for n in A.head_configs if n in CONFIGS[dt]]:
+            r = REC.guard(f"{dtype} B{B} {ctx} H{heads} {name}", time_decode, B, ctx, dtype, name,
+                          CONFIGS[dtype][name], heads=heads)
+            if r is None:
+                continue
             r["tflops"] = B * heads * ctx * (576 + 512) * 2 / (r["time_us"] * 1e-6) / 1e12
-            RESULTS["cases"].append(r)
-            save()
-            log("case", fmt(r), f"{r['tflops']:.0f} TFLOP/s")
-
-# ---------------------------------------------------------------- summary
-RESULTS["elapsed_s"] = elapsed()
-save()
-log("\n==== % of copy bandwidth "
-    f"({COPY_BW / 1e12:.2f} TB/s {'torch' if TORCH_BW else 'jax'} copy; jax x*2 "
-    f"{JAX_BW / 1e12:.2f} TB/s) ====")
-log(f"checks {sum(r['ok'] for r in RESULTS['correctness'])}/{len(RESULTS['correctness'])} OK; "
-    f"errors {len(RESULTS['errors'])}; skipped cases {len(RESULTS['skipped'])}; "
-    f"elapsed {elapsed():.0f} s")
-for dtype in DTYPES:
-    names = list(CONFIGS[dtype])
-    log(f"{dtype:>4} {'shape':10s} " + " ".join(f"{n:>13s}" for n in names) + "   best (TB/s)")
-    for B, ctx in SHAPES:
-        rows = {r["name"]: r for r in RESULTS["cases"]
-                if (r["B"], r["ctx"], r["dtype"], r["H"]) == (B, ctx, dtype, HEADS)}
-        if not rows:
-            continue
-        cells = " ".join(f"{100 * rows[n]['frac_copy']:12.1f}%" if n in rows else f"{'-':>13s}"
-                         for n in names)
-        best = min(rows.values(), key=lambda r: r["time_us"])
-        log(f"{dtype:>4} B{B:<3d}{ctx // 1024:>4d}K  {cells}   {best['name']} "
-            f"({best['Bps'] / 1e12:.2f})")
+            REC.details["cases"].append(r)
+            REC.log("case", fmt(r), f"{r['tflops']:.0f} TFLOP/s")
+            if name == "default":
+                REC.row("MLA decode, 96-128 heads (compute-bound)",
+                        f"{FORM[dtype]} cache, H{heads} B{B} {ctx // 1024}K", r["time_us"], "us",
+                        note=f"{r['tflops']:.0f} TFLOP/s")
