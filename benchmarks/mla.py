@@ -346,6 +346,10 @@ def fmt(r):
 
 
 
+def ctx_label(ctx: int) -> str:
+    return f"{ctx // 1024}K" if ctx % 1024 == 0 else str(ctx)
+
+
 def add_configs():
     for item in A.config:
         dt, name, kv = item.split(":")
@@ -391,7 +395,7 @@ def run(rec, args):
                 REC.log("case", fmt(r))
                 if name == "default":
                     REC.row(f"MLA decode, {HEADS} heads (GPU time of the op)",
-                            f"{FORM[dtype]} cache, B{B} {ctx // 1024}K", r["time_us"], "us",
+                            f"{FORM[dtype]} cache, B{B} {ctx_label(ctx)}", r["time_us"], "us",
                             limit_pct=100 * r["frac_copy"], note="of copy")
     for B, ctx, heads in A.heads:   # compute-bound at 96-128 heads
         for dtype, name in [(dt, n) for dt in DTYPES for n in A.head_configs if n in CONFIGS[dt]]:
@@ -404,5 +408,5 @@ def run(rec, args):
             REC.log("case", fmt(r), f"{r['tflops']:.0f} TFLOP/s")
             if name == "default":
                 REC.row("MLA decode, 96-128 heads (compute-bound)",
-                        f"{FORM[dtype]} cache, H{heads} B{B} {ctx // 1024}K", r["time_us"], "us",
+                        f"{FORM[dtype]} cache, H{heads} B{B} {ctx_label(ctx)}", r["time_us"], "us",
                         note=f"{r['tflops']:.0f} TFLOP/s")
