@@ -1,6 +1,6 @@
 """The benchmarks' configuration strings, parsed in one place: "a=1,b=x,c=None" -> keyword
-arguments (bench_kda's BENCH_CHUNK_CONFIGS and BENCH_DECODE_VARIANTS, kernel_resources'
---kda-configs). ';' separates configs; the callers split on it."""
+arguments (the benchmarks' --chunk-config, --decode-variant, --config, resources'
+--kda-config: one config a flag)."""
 from __future__ import annotations
 
 import dataclasses

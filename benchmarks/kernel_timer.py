@@ -1,12 +1,12 @@
 """GPU kernel time of a jitted call, read from the JAX profiler (no wall clock, no host).
 
 Wall-clock timing of a small op measures the host: XLA launches each kernel from the host, and a
-decode of a few microseconds of GPU work per kernel is dispatch-bound (the 2026-11-29 MLA rows at
-batch 1 took ~70-80 us whatever their context or configuration). Here the call runs `reps` times
+decode of a few microseconds of GPU work per kernel is dispatch-bound (batch-1 MLA decodes timed by
+wall clock read the same whatever their context or configuration). Here the call runs `reps` times
 under `jax.profiler.trace`, and the kernels' own durations are read back from the trace's device
 plane (`jax.profiler.ProfileData`, in jaxlib: nothing to install).
 
-    from kernel_timer import kernel_times
+    from benchmarks.kernel_timer import kernel_times
     r = kernel_times(fn, *args, reps=10)
     r["total_us"]     # sum of all kernel durations per call
     r["by_kernel"]    # {kernel name: us per call}

@@ -3,8 +3,8 @@
 jax 0.11.x (`jax._src.pallas.triton.lowering._compute_offsets_from_indices`) switches element
 offsets to 64 bits only when the array is over 2**32 *bytes*; offsets are counted in elements and
 are signed, so a 1-byte array (MXFP4 packed weights, scale bytes, an fp8 cache) of 2**31 to 2**32
-elements gets int32 offsets that wrap negative past element 2**31. Found on 2 H200s on 2026-11-29:
-K3's routed gate/up weights of one TP2 rank ([896, 1536, 1792] uint8, 2.47e9 bytes) made the MoE
+elements gets int32 offsets that wrap negative past element 2**31. For example K3's routed
+gate/up weights of one TP2 rank ([896, 1536, 1792] uint8, 2.47e9 bytes) made the MoE
 kernel read out of bounds (CUDA_ERROR_ILLEGAL_ADDRESS) for experts past id ~780.
 
 `apply()` wraps that function so that any array of more than 2**31 elements takes the 64-bit path

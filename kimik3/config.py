@@ -81,7 +81,7 @@ class Config:
     expert_format: str = "mxfp4"  # routed experts: "dense" or "mxfp4" (packed E2M1 + E8M0 scales)
     # byte layout of MXFP4 experts in memory (a load-time choice, not in HF config.json): "k3" as
     # stored; "paired": re-encoded for the CUDA decode kernel's cheaper nibble decode
-    # (kernels_pallas/moe/paired.py; NVIDIA GPUs only: MXFP4 decode about 8% faster on the H200)
+    # (kernels_pallas/moe/paired.py; NVIDIA GPUs only: fewer instructions per weight, BENCHMARKS.md)
     mxfp4_layout: str = "k3"
     hidden_act: str = "situ"
     situ_beta: float = 4.0

@@ -15,6 +15,7 @@ import flax.linen as nn
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from sharding.kda import kda_cache_specs
 from .config import Config
 from .layers.attnres import AttnResMix
 from .layers.common import F32, INIT_STD, RMSNorm, dense
@@ -81,7 +82,6 @@ def init_cache(cfg: Config, batch: int, max_seq_len: int, mesh=None, dcp_axes: t
             if "latent" in e:  # MLA: positions over the DCP axes (else every rank holds all)
                 specs = {k: P(None, dcp_axes or None, None) for k in e}
             else:  # KDA: heads over tensor, as the layer's shard_map computes them
-                from sharding.kda import kda_cache_specs
                 specs = kda_cache_specs(cfg, mesh)
             e = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in e.items()}
         layers.append(e)

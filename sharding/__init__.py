@@ -1,8 +1,10 @@
-"""Meshes and placement rules (knows meshes and collectives, not requests)."""
+"""Meshes, placement rules and memory accounting (knows meshes and collectives, not requests).
+Imports nothing from kimik3 or serve: the layers that compute under these placements live in
+kimik3/layers/."""
 from .mesh import AXES, make_mesh
 from .memory import memory_report
-from .moe import moe_layer, moe_layer_tp, moe_param_specs, moe_sharded, place_moe_params
-from .rules import moe_axes, param_shardings, param_spec, place_model
+from .moe import moe_param_specs, place_moe_params
+from .rules import MoEAxes, moe_axes, param_shardings, param_spec, place_model
 
-__all__ = ["memory_report", "AXES", "make_mesh", "param_shardings", "param_spec", "moe_axes", "moe_layer",
-           "moe_layer_tp", "moe_param_specs", "moe_sharded", "place_model", "place_moe_params"]
+__all__ = ["memory_report", "AXES", "make_mesh", "param_shardings", "param_spec", "MoEAxes", "moe_axes",
+           "moe_param_specs", "place_model", "place_moe_params"]

@@ -1,20 +1,14 @@
-"""The KDA layer under tensor parallelism, in shard_map over heads.
+"""Placement of the KDA layer under tensor parallelism: heads over `tensor`.
 
 Each tensor rank holds H / TP heads: their q/k/v/f/b/g projection columns, conv channels, A_log,
 dt_bias (the placement rules in rules.py) and their slice of the recurrent state and conv state.
-`kda_apply` runs on those local heads (the Pallas decode / chunk kernels see only them, so no
-custom call is ever partitioned by XLA), and the output projection's partial sums meet in one
-all-reduce. The conv state's channels are laid out per rank ([q | k | v] of rank 0's heads, then
-rank 1's, ...), which is what splitting its last dimension over `tensor` gives each rank.
+The conv state's channels are laid out per rank ([q | k | v] of rank 0's heads, then rank 1's,
+...), which is what splitting its last dimension over `tensor` gives each rank. The layer that
+computes with this placement (shard_map over `kda_apply`) lives in kimik3/layers/kda.py.
 """
 from __future__ import annotations
 
-import jax
-from jax import shard_map
 from jax.sharding import PartitionSpec as P
-
-from kimik3.layers.kda import kda_apply
-from .rules import param_spec
 
 AXIS = "tensor"
 
@@ -33,19 +27,3 @@ def kda_cache_specs(cfg, mesh) -> dict:
     if kda_tensor_axis(cfg, mesh) is None:
         return {"state": P(), "conv": P()}
     return {"state": P(None, AXIS, None, None), "conv": P(None, None, AXIS)}
-
-
-def kda_sharded(cfg, p, x, cache, n_new, backend=None, mesh=None, all_positions=False):
-    """One KDA layer per rank's heads on `mesh` (default: the ambient one); traceable in jit.
-    x [B, T, D] and the output are replicated; the cache stays split over heads."""
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    specs = jax.tree_util.tree_map_with_path(lambda path, w: param_spec(path, w.shape, mesh, cfg), p)
-    cspecs = kda_cache_specs(cfg, mesh)
-    out_cspecs = cspecs
-    if all_positions:  # the state after every position: [B, T, H, K, K], heads still split
-        out_cspecs = {**cspecs, "state": P(None, None, *cspecs["state"][1:])}
-    f = shard_map(lambda p, x, c, n: kda_apply(cfg, p, x, c, n, backend, tensor_axis=AXIS,
-                                               all_positions=all_positions),
-                  mesh=mesh, in_specs=(specs, P(), cspecs, P()), out_specs=(P(), out_cspecs),
-                  check_vma=False)
-    return f(p, x, cache, n_new)

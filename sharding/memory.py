@@ -1,10 +1,10 @@
 """Per-device memory accounting for a config on a mesh: parameters (by the placement rules: MoE
 dedup's owned up-projection rows, routed experts over the expert axis), the MLA latent cache
 (positions split over DCP) and the KDA recurrent + conv state (heads split over TP). Pure
-arithmetic on shapes: no device memory."""
+arithmetic on abstract shapes (`kimik3.abstract(cfg)`): no device memory. `kimik3.memory_report`
+supplies the abstract tree for a config."""
 from __future__ import annotations
 
-import functools
 import math
 from types import SimpleNamespace
 
@@ -14,11 +14,12 @@ import numpy as np
 from .rules import param_spec
 
 
-def memory_report(cfg, tensor: int = 1, dcp: int = 1, tokens: int = 0, batch: int = 1,
+def memory_report(cfg, abstract_params, tensor: int = 1, dcp: int = 1, tokens: int = 0, batch: int = 1,
                   cache_dtype: str | None = None, dedup: bool = True, expert: int = 1) -> dict:
-    """Bytes per device. `tokens` is the context per sequence, `batch` the sequences held.
+    """Bytes per device. `abstract_params`: the config's parameter tree (ShapeDtypeStructs are
+    enough); `tokens` is the context per sequence, `batch` the sequences held.
 
-    DCP ranks are TP ranks for everything except the cache (reference/jax_inference.md 0.6): with
+    DCP ranks are TP ranks for everything except the cache: with
     dcp > 1 each device holds 1/dcp of every sequence's MLA positions and still 1/tensor of the
     heads. With expert > 1 (expert parallelism, cfg.moe_placement "auto" or "expert") each device
     holds num_experts / expert of the routed experts; everything else is as on `tensor` alone.
@@ -30,7 +31,7 @@ def memory_report(cfg, tensor: int = 1, dcp: int = 1, tokens: int = 0, batch: in
     mesh = SimpleNamespace(shape={"tensor": tensor, "dcp": dcp, "data": 1, "expert": expert})
     cfg = cfg.replace(moe_dedup=dedup)
     params = experts = dedup_saved = 0
-    for path, leaf in _leaves(cfg.replace(moe_dedup=True, moe_placement="auto")):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
         spec = param_spec(path, leaf.shape, mesh, cfg)
         names = [str(getattr(k, "key", k)) for k in path]
         split = math.prod(mesh.shape[s] for s in spec if s is not None)
@@ -51,10 +52,3 @@ def memory_report(cfg, tensor: int = 1, dcp: int = 1, tokens: int = 0, batch: in
     return {"params": params, "mla_cache": mla, "kda_state": kda, "total": params + mla + kda,
             "routed_experts": experts, "dedup_saved": dedup_saved}
 
-
-@functools.lru_cache(maxsize=8)
-def _leaves(cfg):
-    """(path, ShapeDtypeStruct) of every parameter (the placement options do not change the tree)."""
-    from kimik3.params import abstract
-
-    return jax.tree_util.tree_flatten_with_path(abstract(cfg))[0]

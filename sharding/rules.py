@@ -5,10 +5,10 @@ config runs on any tensor size; the MoE's placement (`moe_axes`) is what its sha
 computes with, and it refuses an expert axis it cannot use."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
-
-from kimik3.layers.moe import MoEAxes
 
 # Projections whose output columns are heads / intermediate units: split the output dim.
 COLUMN = {"q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj", "q_b_proj", "kv_b_proj", "b_proj",
@@ -17,6 +17,22 @@ COLUMN = {"q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj", "q_b_proj", "kv_b_
 ROW = {"o_proj", "down_proj"}
 # Per-channel KDA parameters laid out along heads.
 PER_CHANNEL = {"q_conv1d", "k_conv1d", "v_conv1d", "dt_bias", "A_log"}
+
+
+class MoEAxes(NamedTuple):
+    """Mesh axes one shard's MoE weights are split over (None: the whole dimension on every rank).
+
+    expert: the routed experts' expert dimension (expert parallelism): rank r holds experts
+      [r * E_local, (r + 1) * E_local) and computes only the (token, expert) pairs routed to them.
+    expert_inner: the routed experts' intermediate dimension (tensor parallelism).
+    shared: the shared experts' intermediate dimension.
+    up: the latent up-projection's output columns (MoE dedup: each rank computes the hidden
+      coordinates it owns and adds them into the shared experts' partial sum).
+    """
+    expert: str | None = None
+    expert_inner: str | None = None
+    shared: str | None = None
+    up: str | None = None
 
 
 def _names(path):

@@ -1,4 +1,4 @@
-"""benchmarks/bench_sharded.py (issue 8) in its smoke mode: the whole script on 8 fake CPU devices
+"""`python -m benchmarks sharded --smoke` (issue 8): the whole benchmark on 8 fake CPU devices
 with a tiny config, in a subprocess; its JSON has every section, says the sharded runs equal one
 device, and its byte counts agree with the arrays and memory_report (~40 s on 2 cores)."""
 import json
@@ -10,15 +10,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_sharded_smoke(tmp_path):
-    env = dict(os.environ, BENCH_SMOKE="1", OUT=str(tmp_path), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("BENCH_BUDGET_S", None)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_sharded.py")], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "sharded", "--smoke", "--out", str(tmp_path)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "== bench_sharded: 8 x cpu" in proc.stdout  # the closing table
-    res = json.loads((tmp_path / "bench_sharded.json").read_text())
+    assert "== sharded: 8 x cpu" in proc.stdout  # the closing table
+    run = json.loads((tmp_path / "sharded.json").read_text())
+    assert run["benchmark"] == "sharded" and run["command"] == "python -m benchmarks sharded --smoke --out " + str(tmp_path)
+    assert run["errors"] == {} and {r["area"] for r in run["rows"]}  # the table's rows
+    res = run["details"]
 
     assert res["machine"]["device_count"] == 8 and res["machine"]["env"]["NCCL_NVLS_ENABLE"] == "0"
     assert res["skipped"] == []
@@ -59,8 +60,7 @@ def test_bench_sharded_smoke(tmp_path):
 def test_a_device_fault_skips_the_rest(monkeypatch):
     """After a CUDA fault (the GPU context is lost) the script records the first error and skips
     the remaining measurements instead of failing each of them."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import bench_sharded as bs
+    from benchmarks import sharded as bs
 
     monkeypatch.setattr(bs, "FAULT", [])
     monkeypatch.setattr(bs, "RESULTS", {})

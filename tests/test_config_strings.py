@@ -1,14 +1,8 @@
 """The benchmarks' configuration strings (benchmarks/config_strings.py)."""
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
-from config_strings import chunk_config, parse_overrides  # noqa: E402
-
-from kernels_pallas.kda.chunk_pallas import ChunkConfig  # noqa: E402
+from benchmarks.config_strings import chunk_config, parse_overrides
+from kernels_pallas.kda.chunk_pallas import ChunkConfig
 
 
 def test_parse_overrides():

@@ -107,8 +107,8 @@ def test_fp8_cache_config_and_memory():
     with pytest.raises(kimik3.ConfigError, match="mla_cache_scale"):
         cfg.replace(mla_cache_dtype="fp8", mla_cache_scale=0.0)
     k3 = kimik3.Config.preset("kimi-k3")
-    bf16 = sharding.memory_report(k3, tensor=8, tokens=142_000)["mla_cache"]
-    fp8 = sharding.memory_report(k3.replace(mla_cache_dtype="fp8"), tensor=8,
+    bf16 = kimik3.memory_report(k3, tensor=8, tokens=142_000)["mla_cache"]
+    fp8 = kimik3.memory_report(k3.replace(mla_cache_dtype="fp8"), tensor=8,
                                  tokens=142_000)["mla_cache"]
     assert bf16 == 2 * fp8
 

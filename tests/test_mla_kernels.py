@@ -320,7 +320,7 @@ def test_split_policy_and_config():
 
 def test_default_config_is_the_measured_winner():
     """bf16, 16 rows: the H200 sweep's winner (64-key blocks, 4 warps, 3 stages, page load,
-    "waves") with the split counts it ran at (benchmarks/results_mla.md, 2026-11-29); 16-token
+    "waves") with the split counts it ran at (git history of benchmarks/results_mla.md); 16-token
     pages: 64-key "token" loads with 2 stages; fp8: the 2026-11-30 winner ("operand" upcast,
     fp16 dots); bf16 64-row blocks (96 / 128 heads): 64-key blocks, 2 stages (2026-11-30); fp32
     and 32-row blocks keep their configs."""

@@ -1,8 +1,6 @@
 """kernels_pallas.moe_gmm: the Pallas kernel (interpret mode) against the plain-JAX reference
 (ragged_dot on dequantised weights), exact MXFP4 decoding from hand-built bytes for every dequant
 variant, and (kernels_pallas.gpu_lowering) the lowering of every benchmarked kernel for an H200."""
-import importlib.util
-import pathlib
 
 import numpy as np
 import jax
@@ -519,18 +517,21 @@ def test_default_config_runs_in_interpret_mode():
         assert _rel(y, ref) < 2e-2, fuse
 
 
-def test_benchmark_sweep_lowers_for_h200():
-    """Every kernel the benchmark sweeps (each dequant variant and block config, MXFP4 decode at 64
-    and 512 tokens, bf16 decode and prefill at K3 shapes) lowers to Triton IR for an H200."""
+def test_benchmark_kernels_lower_for_h200():
+    """Every kernel the MoE benchmark times (each layer shape at its CUDA default config, MXFP4 in
+    both layouts, bf16, the fused gate/up) and every dequantisation variant at the decode blocks
+    lowers to Triton IR for an H200."""
+    from benchmarks.moe import lower_check
     from kernels_pallas.gpu_lowering import lower_for_gpu as lower_cuda
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe_gmm.py"
-    spec = importlib.util.spec_from_file_location("_bench_moe_gmm", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert {c.dequant for c in bench.DECODE_SWEEP} == set(DEQUANT_VARIANTS) - {"interleave_bf16"}
-    assert bench.lower_check(lower_cuda, log=lambda s: None) == []
-    # the fused gate/up with a PTX variant too
+    assert lower_check(lower_cuda, log=lambda s: None) == []
     sd = jax.ShapeDtypeStruct
+    wq = MXFP4Weight(sd((896, 768, 1792), jnp.uint8), sd((896, 768, 112), jnp.uint8))
+    for dequant in set(DEQUANT_VARIANTS) - {"interleave_bf16"}:
+        cfg = GmmConfig(16, 128, 128 if dequant == "interleave" else 256, num_warps=4, num_stages=4,
+                        dequant=dequant)
+        lower_cuda(lambda a, b, c, cfg=cfg: moe_gmm(a, b, c, backend="pallas", config=cfg),
+                   sd((1024, 3584), jnp.bfloat16), wq, sd((896,), jnp.int32))
+    # the fused gate/up with a PTX variant too
     w = MXFP4Weight(sd((896, 384, 1792), jnp.uint8), sd((896, 384, 112), jnp.uint8))
     for dequant in ("split_asm_sub", "split_asm_t"):
         cfg = GmmConfig(16, 128, 256, num_stages=4, dequant=dequant)
@@ -659,8 +660,8 @@ def test_paired_errors():
 
 
 def test_cuda_decode_takes_k_blocks_of_128_only_in_the_flattened_loop():
-    """split_asm_t at K blocks of 128 raced on the H200 in the plain K loop (results_moe.md runs
-    8-9): K blocks of 256 where 256 divides K; otherwise (384, a TP8 rank's down projection)
+    """split_asm_t at K blocks of 128 raced on the H200 in the plain K loop (git history of
+    benchmarks/results_moe.md): K blocks of 256 where 256 divides K; otherwise (384, a TP8 rank's down projection)
     128 in a loop over column blocks (paired: 7 a program with x resident for K <= 512; 4 in
     the flattened loop otherwise), which never raced. Both layouts."""
     from kernels_pallas.moe import gmm

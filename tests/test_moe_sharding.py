@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import kimik3
 import sharding
-from kimik3.layers.moe import MoE
-from sharding.moe import count_collectives, moe_layer, moe_layer_tp, per_device_param_bytes, place_moe_params
+from kimik3.layers.moe import MoE, moe_layer, moe_layer_tp
+from sharding.moe import count_collectives, per_device_param_bytes, place_moe_params
 
 NO_COLLECTIVES = {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 0}
 
@@ -126,7 +126,7 @@ def test_model_moe_on_a_mesh_matches_one_device(tiny_greedy, name):
     ep = axes.get("expert", 1)
     assert moe["experts"]["w1_packed"].addressable_shards[0].data.shape[0] == model.cfg.num_experts // ep
     # every MoE layer runs in shard_map (not through XLA's partitioner); so do the KDA layers
-    # when the tensor axis splits their heads (sharding/kda.py)
+    # when the tensor axis splits their heads (kimik3/layers/kda.py)
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(lambda p, t: kimik3.KimiLM(sharded.cfg).apply({"params": p}, t))(
             sharded.params, np.zeros((1, 4), np.int32))
@@ -144,7 +144,7 @@ def test_bad_moe_placements():
     with pytest.raises(ValueError, match=r"num_experts=8 is not divisible by the mesh's 'expert' axis \(3\)"):
         kimik3.init(cfg, mesh=sharding.make_mesh(expert=3))
     with pytest.raises(ValueError, match="moe_placement='tensor' keeps every routed expert on every rank"):
-        sharding.moe_layer(cfg.replace(moe_placement="tensor"), sharding.make_mesh(expert=4))
+        moe_layer(cfg.replace(moe_placement="tensor"), sharding.make_mesh(expert=4))
     with pytest.raises(ValueError, match="moe_placement='expert' needs a mesh with an 'expert' axis > 1"):
         sharding.param_shardings(kimik3.abstract(cfg), cfg.replace(moe_placement="expert"),
                                  sharding.make_mesh(tensor=8))

@@ -62,76 +62,58 @@ SPAN2 = MATMUL_SPAN * LOG2E
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
-    """Launch parameters of the kernels (see module docstring). The defaults are the best of the
-    H200 measurements (benchmarks/results_kda.md): 2026-11-29's sweep, and on 2026-11-30 the
-    split launch 2 with the product inverse (B8 T4096 H12 2.207 vs 2.690 ms fused; B1 T8192 H96
-    4.280 vs 5.299; B1 T32768 H16 3.441 vs 4.058); on 2026-12-01 a per-launch sweep (64-column
-    scan, 128-column out, bf16x3 inverse at 4 warps: 1.991 / 3.864 / 2.944 ms); later that day the
-    key-tile loops as pipelined device loops (B8 T4096 H12: 1.628 ms); in the evening 1 warp for
-    the diagonal launch and launch 2, and exp2 decays (1.270 ms; FLA 1.465 in the same call)."""
-    # launch 2's key tile: 16 at 1 warp (32 keys at 1 warp spill 440 B a thread offline)
+    """Launch parameters of the kernels (see module docstring). The defaults are the fastest
+    settings measured on the GPU at the benchmark's prefill shapes (`python -m benchmarks kda`;
+    figures in BENCHMARKS.md); the comments say why each one wins."""
+    # launch 2's key tile: 16 at 1 warp (32 keys at 1 warp spill offline)
     block_k_inter: int = 16
     block_v_state: int | None = None   # None: `_pick_block_v`
-    # 128: q, G and A are read once per chunk instead of once per V tile (H200, B8 T4096 H12,
-    # 2026-12-01: out 0.208 vs 0.310 ms at 64)
+    # 128: q, G and A are read once per chunk instead of once per V tile
     block_v_out: int = 128
     # Few warps: a 16x16 dot's accumulator is replicated on every warp past the first two, so
     # at 4 warps each warp redoes the whole inverse and its layout conversions (offline sm_90
-    # SASS, launch 2: 31.8K warp-instructions a program at 4 warps, 18.2K at 2). FLA's autotuner
-    # picks 1 warp for its matching kernels on the H200.
-    # None: 1 for the key-tiled launch (H200, B8 T4096 H12, 2026-12-01 evening: 0.343 ms; 2
-    # warps 0.455, 4 warps 0.585), 4 for the whole-row one (its measured setting; 1, 2 and 8
-    # were slower there, 2026-12-01)
+    # SASS of launch 2). FLA's autotuner picks 1 warp for its matching kernels too.
+    # None: 1 for the key-tiled launch (faster than 2 or 4), 4 for the whole-row one (its
+    # measured setting; 1, 2 and 8 were slower there)
     num_warps_diag: int | None = None
-    # launch 2, fused or split: 1 warp with 16-key tiles 0.284 ms (FLA's inter+solve 0.300 in
-    # the same call; 4 stages 0.302); 2 warps with 32 keys 0.331; 4 warps 0.501 (8 warps,
-    # fused: 1.068 vs 0.513 at 4 in an earlier call)
+    # launch 2, fused or split: 1 warp with 16-key tiles beat 2 warps with 32 keys, 4 and 8 warps
     num_warps_inter: int = 1
     num_warps_wu: int = 4
     num_warps_state: int = 4
     num_stages_state: int = 2
     num_warps_out: int = 4
-    # two-level scan over this many runs of chunks; 0 = `auto_scan_groups` by shape (the default
-    # since it was timed: B1 T32768 H16 on the H200, 8 groups 4.13 ms vs 5.18 ms sequential)
+    # two-level scan over this many runs of chunks; 0 = `auto_scan_groups` by shape (faster than
+    # the sequential scan on long single sequences)
     scan_groups: int = 0
     # launch 2 as two: off-diagonal blocks (L stored in fp32), then the inverse (its own warps).
-    # With the unrolled key loop the fused launch spilled on sm_90 and the split was 1.2x faster
-    # (2026-11-30); with the pipelined device loop the fused one is faster again (2026-12-01,
-    # B8 T4096 H12: 0.513 ms against 0.350 + 0.192 split).
+    # With an unrolled key loop the fused launch spilled on sm_90 and the split was faster; with
+    # the pipelined device loop the fused one is faster again.
     split_inverse: bool = False
-    # the split launch's inverse only. 8 warps with "ieee" products (139 registers; 2 or 4
-    # warps: 255 and spills); 4 with "bf16x3" (H200, B8 T4096 H12: 0.192 ms vs 0.217 for ieee
-    # at 8; bf16x3 at 8 warps 0.529)
+    # the split launch's inverse only. 8 warps with "ieee" products (2 or 4 warps spill);
+    # 4 with "bf16x3" (faster than ieee at 8, and than bf16x3 at 8)
     num_warps_inverse: int = 4
     # the diagonal 16x16 blocks' inverse: "substitution" (15 dependent steps) or "product" (six
-    # matmuls per block, no loop); see `_invert`. Split launch at B8 T4096 H12 (H200): inverse
-    # 0.78 ms with substitution (2026-11-29), 0.217 ms with the product (2026-11-30).
+    # matmuls per block, no loop, several times faster); see `_invert`.
     diag_inverse: str = "product"
     # the inverse's 16x16 products (launch 2b, or 2 fused) with bf16 operands: "ieee" (fp32 on
     # the CUDA cores, no tensor cores), "bf16x3" (each fp32 factor split into a bf16 high and low
     # part, three tensor-core products: ~16 mantissa bits, far below the bf16 rounding of the
-    # finished T) or "tf32" (one tensor-core product, 10 bits; FLA's choice). fp32 operands
-    # always take "ieee".
-    # (H200, B8 T4096 H12, 4 warps: bf16x3 0.192 ms, tf32 0.168 ms; ieee at 8 warps 0.217)
+    # finished T) or "tf32" (one tensor-core product, 10 bits; FLA's choice, a little faster
+    # and less exact). fp32 operands always take "ieee".
     inverse_precision: str = "bf16x3"
     # Key tiles as device loops, so Triton software-pipelines their loads (q, k, G, h through
-    # shared memory with cp.async, num_stages deep) behind the previous tile's products. ncu
-    # (2026-12-01) found the unrolled launches latency-bound at 2 blocks per SM; prefetching is
-    # what that calls for. H200, B8 T4096 H12, GPU kernel time, ms (unrolled -> device loop):
-    #   diag     0.640 -> 0.564  diag_block_k 32, 2 stages (16 keys: 0.646; 32 at 3 stages and
-    #                            8 warps 1.050; 32 unpipelined 0.751); at 2 warps 0.460
-    #   offdiag  0.432 -> 0.346  32 keys, 3 stages (2 stages 0.372; 16 keys 0.470-0.476)
-    #   wu       0.252 -> 0.225  64 columns, 2 stages (32 at 3 stages 0.230)
-    #   out      0.229 -> 0.204  32 keys, 2 stages (3 stages 0.201, but 77 KB of shared memory,
-    #                            over MI300X's 64 KiB of LDS)
-    # diag_block_k None: the whole-row diagonal launch (`_diag_kernel`, unrolled); otherwise the
-    # key-tiled one (`_diag_kernel_tiled`, always a device loop). num_stages_inter / _wu: 1 keeps
-    # their tile loops unrolled, >= 2 makes them device loops. block_k_out None: out's q h product
-    # in one piece.
+    # shared memory with cp.async, num_stages deep) behind the previous tile's products: the
+    # unrolled launches were latency-bound at 2 blocks per SM (Nsight Compute), which is what
+    # prefetching answers, and every launch got faster as a device loop. Stages and tiles below
+    # are the fastest of a sweep; out's 3 stages would need more shared memory than MI300X's
+    # 64 KiB of LDS. diag_block_k None: the whole-row diagonal launch (`_diag_kernel`,
+    # unrolled); otherwise the key-tiled one (`_diag_kernel_tiled`, always a device loop).
+    # num_stages_inter / _wu: 1 keeps their tile loops unrolled, >= 2 makes them device loops.
+    # block_k_out None: out's q h product in one piece.
     diag_block_k: int | None = 32
     num_stages_diag: int = 2
     num_stages_inter: int = 3
-    num_stages_wu: int = 3       # 0.208 ms vs 0.225 at 2 stages
+    num_stages_wu: int = 3
     block_wu: int = 64           # the W/U launch's column tile
     num_stages_out: int = 2
     block_k_out: int | None = 32
@@ -598,10 +580,8 @@ def _out_kernel(len_ref, q_ref, G_ref, rq_ref, a_ref, h_ref, vn_ref, o_ref, *, s
 
 def _pick_block_v(B, H, V, n_sm=None):
     """The scan's value-column tile. Each V tile re-reads the chunk's W and Kg, so the scan is
-    bound by those bytes: 64 columns beat 32 even with fewer programs than SMs (H200,
-    2026-12-01: B8 T4096 H12, 192 programs, 0.233 vs 0.344 ms; B1 T32768 H16 two-level, 0.561
-    vs 0.865 ms; 128 columns at 8 warps 0.301 / 0.617). Narrower tiles only where 64-column ones
-    would leave more than half the SMs idle (not timed)."""
+    bound by those bytes: 64 columns beat 32 even with fewer programs than SMs, and beat 128
+    columns at 8 warps. Narrower tiles only where 64-column ones would leave more than half the SMs idle (not timed)."""
     n_sm = n_sm or num_sms()
     for bv in (64, 32, 16):
         if V % bv == 0 and (B * H * (V // bv) >= n_sm // 2 or bv == 16):
@@ -772,9 +752,8 @@ def _group_starts(P, Q, h0, groups):
         Pg, Qg = pq
         return jnp.einsum("bhkl,bhlv->bhkv", Pg, S, precision=HIGHEST) + Qg, S
     # unrolled (up to 16 steps at a time): straight-line batched matmuls instead of a device
-    # while loop, whose predicate XLA copies back every step (memcpy32_post in the profile).
-    # Small: B1 T32768 H16 on the H200, kernels 2.06 -> 2.04 ms (two calls, not a controlled
-    # comparison). The cap keeps a large user-set scan_groups from unrolling hundreds of steps.
+    # while loop, whose predicate XLA copies back every step (memcpy32_post in the profile); a
+    # small gain. The cap keeps a large user-set scan_groups from unrolling hundreds of steps.
     final, starts = jax.lax.scan(step, h0, (P, Q), unroll=min(groups, 16))
     return starts.swapaxes(0, 1).reshape(BG, H, K, V), final
 
@@ -783,7 +762,7 @@ def auto_scan_groups(B, H, V, n_chunks, n_sm=None, min_chunks=8):
     """Groups for the two-level scan when B * H sequential programs leave the GPU idle: the
     smallest power of two that gives >= 2 programs per SM (32 value columns a program), keeping
     >= `min_chunks` chunks a group; 1 (plain sequential scan) when the batch fills the GPU.
-    A cost model; timed at one shape on the H200 (results_kda.md). n_sm: the device's SM count."""
+    A cost model, timed at one shape (BENCHMARKS.md). n_sm: the device's SM count."""
     n_sm = n_sm or num_sms()
     groups = 1
     while (B * H * groups * max(V // 32, 1) < 2 * n_sm

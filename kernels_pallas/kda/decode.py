@@ -12,8 +12,7 @@ conv_state [B, W-1, 3P], conv_w [3P, W] fp32, f [B, P] raw gate projection, A_lo
 dt_bias [P], b [B, H] beta logits, gate [B, P] raw output gate, o_norm_w [K], state [B, H, K, K]
 fp32. Rounding points follow the model: the conv output is rounded to qkv's dtype before the norm.
 
-Warps: 4 (H200, 2026-11-30, device loop: B256 H96 1040 us with 4 warps, 1478 with 8, 1592 with
-16; B64 H12 46 / 59 / 72 us; B256 H12 155 / 216 / 223 us; benchmarks/results_kda.md).
+Warps: 4, faster than 8 or 16 at every decode shape timed (`python -m benchmarks kda`).
 """
 from __future__ import annotations
 

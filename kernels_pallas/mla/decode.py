@@ -23,17 +23,17 @@ Math and shapes: see reference.py. Kernel layout:
     depends on a load of the same loop and Triton pipelines num_stages - 1 tiles ahead.
   - "token": a page-table lookup per token inside the loop (any page_size, block_k > page_size
     too). Triton treats the tile load as indirect: one tile in flight, issued after the step's
-    compute, whatever num_stages says (the layout of the 2026-11-29 measurement).
+    compute, whatever num_stages says.
   Masked loads (other = 0) keep garbage in unused slots out of the result.
 * fp8 cache (float8_e4m3fn). A per-tensor scale is folded into the score multiplier and the
   output; a per-token scale multiplies the score columns and the probabilities (p * s_t) before
   the PV dot, never the [block_k, 576] tile. The tile's e4m3 -> bf16 conversion (`fp8_upcast`)
   decides whether the tile load is pipelined at all:
-  - "operand" (the 2026-11-29 kernel): `astype(bf16)` right before the dots. Triton moves the
+  - "operand" (the first kernel): `astype(bf16)` right before the dots. Triton moves the
     conversion into each dot's operand layout, and an 8-bit transposed operand (the QK^T side)
     has no shared-memory path, so the fp8 tile is loaded synchronously into registers (not
-    pipelined), staged twice and converted twice (255 registers, ~600 B spilled): 2x slower
-    than bf16 while reading half the bytes.
+    pipelined), staged twice and converted twice (it spills): slower than bf16 while reading
+    half the bytes.
   - "tile": convert once through fp32 and an opaque 1.0 factor (a runtime scalar), which Triton
     leaves in place: the fp8 tile is pipelined with cp.async and both dots read bf16 copies
     (Triton makes two, one per operand layout: more shared memory).
@@ -43,8 +43,8 @@ Math and shapes: see reference.py. Kernel layout:
   "operand"): e4m3 -> fp16 is exact and one hardware conversion, and q rows are divided by
   their max |q| (the score multiplied back) so that no bf16 q overflows fp16.
   All three stage 8-bit data through registers and shared memory every step (an 8-bit
-  transposed operand has no ldmatrix path): 27-30% of copy bandwidth at best, slower in time
-  than a bf16 cache of twice the bytes.
+  transposed operand has no ldmatrix path): far below copy bandwidth, slower in time than a
+  bf16 cache of twice the bytes.
 * fp8 cache in the words form (uint16 [num_pages, page_size, 288], `fp8_to_words`; the same
   bytes, two e4m3 values a word): the "words" upcasts. The tile is 16-bit, so Triton treats it
   like a bf16 tile (cp.async pipelined, ldmatrix with .trans for PV and without for QK^T, no
@@ -54,25 +54,24 @@ Math and shapes: see reference.py. Kernel layout:
   two accumulators, the even and odd output columns, interleaved once at the end. "words":
   PTX, one prmt (the two low or high bytes of a register's two words) and one
   cvt.rn.f16x2.e4m3x2 per two values, exact; "words_int": integer ops (value * 2^-8, PTX on
-  NVIDIA, jnp elsewhere: the portable one). H200, 2026-12-02 (results_mla.md): "words" 70-78%
-  of copy at B16-B64 x 32K-128K, 2.6-2.7x faster than "operand" and 1.42x faster than bf16 in
-  time; "words_int" 6-10% slower than "words".
-  "words_pairs" (the CUDA default since 2026-12-03): PV as "words"; QK^T converts each word
+  NVIDIA, jnp elsewhere: the portable one). "words" is several times faster than "operand" and
+  faster than bf16 in time; "words_int" a little slower than "words".
+  "words_pairs" (the CUDA default): PV as "words"; QK^T converts each word
   whole, one cvt and no prmt, since a 16-bit dot operand's register holds two k-adjacent words
   of one token and their four bytes are latent columns 4i..4i+3: one dot takes the first word's
   two values (columns 4i, 4i + 1), the other the second's, with q's columns permuted to match
   (`word_q_columns`). Not an elementwise op: it relies on Triton packing k-adjacent words
-  (checked on the GPU by bench_mla_decode.py; "words" does not). Offline 1082 instructions a
-  warp a step instead of 1228; H200 71.6-81.6% of copy from B16 32K up with `lat_chunks` 1
-  (each QK^T dot its own accumulator: Triton had folded the four into one HMMA chain).
+  (checked on the GPU by `python -m benchmarks mla`; "words" does not). Fewer instructions a
+  warp a step than "words" (offline SASS), and faster with `lat_chunks` 1 (each QK^T dot its
+  own accumulator: Triton had folded the four into one HMMA chain).
 * q rows for fp16 dots are scaled (and, for the words form, split into even / odd columns by
   strided loads) inside the kernel at 16-row blocks, before it for larger blocks.
 * Each program writes its normalised partial o (`partials`: bf16 when the output is 16-bit,
   else fp32) and lse (fp32, -inf when it saw no key); the splits are merged exactly by one more
-  Pallas kernel (merge.py, 2.2-3.0 us at batch 1 on the H200; `merge="xla"`: the plain-JAX
-  `merge_stacked`, ~6 XLA kernels, ~6 us); the split policy counts that traffic at fp32 size,
-  2 x 4 B x 513 per row and split (with bf16 partials it is about half; the H200 sweep of
-  2026-11-30 still found the policy's split count best at B1). One split needs no merge.
+  Pallas kernel (merge.py; `merge="xla"`: the plain-JAX `merge_stacked`, about six XLA
+  kernels, slower); the split policy counts that traffic at fp32 size, 2 x 4 B x 513 per row and
+  split (with bf16 partials it is about half; a sweep still found the policy's split count best
+  at B1). One split needs no merge.
 
 Splits (`num_splits`, an int or a policy): the grid has B * head_blocks * num_splits programs;
 with equal lengths each takes the same time, so a program count just above a multiple of the
@@ -84,17 +83,9 @@ Shared memory (`smem_bytes`): per buffered stage block_k * 576 * itemsize, x max
 num_stages - 1), + the fp8 bf16 copies + q. For ROCm MI300X (64 KiB LDS) use block_k 32,
 num_stages 1-2, load "token" or "page".
 
-Measured on an H200 (benchmarks/results_mla.md; GPU time of the whole op from the profiler, %
-of the torch copy bandwidth, read + write, bytes counted = cache bytes read; 16 heads, Tq 1,
-64-token pages), 2026-11-30: bf16 default 96.7% / 104.4% / 104.7% / 108.1% at B16 32K / B64
-32K / B16 128K / B64 128K; B1 128K 78.7% and B1 32K 48.8% (a fixed ~5 us a call in this
-kernel, plus the merge's ~3 us). fp8 with the "operand" upcast and fp16 dots (the default)
-27.7% / 30.0% / 21.9% at B16 32K / B64 128K / B1 128K, 1.4x faster than the "mixed" bf16
-configuration (the default before) and still 1.8x slower than bf16 in time. 2026-12-02 (call 5
-of results_mla.md, commit de8c608): bf16 98.6% / 108.4% / 80.9% / 51.4% at B16 32K / B64 128K /
-B1 128K / B1 32K; the fp8 words form 70.3% / 77.6% / 48.2% / 27.2% (103.5 / 1499.7 / 37.7 /
-16.7 us against bf16's 146.5 / 2132.4 / 44.7 / 17.6 us). See default_config for what was not
-measured.
+Speed (GPU time of the whole op against the copy bandwidth measured in the same run, by batch,
+context, heads and cache form): BENCHMARKS.md, MLA decode. Batch 1 carries a fixed cost a call
+in this kernel plus the merge. See default_config for what was not measured.
 """
 from __future__ import annotations
 
@@ -119,8 +110,8 @@ _LN2 = math.log(2.0)
 SPLIT_POLICIES = ("waves", "fill")
 LOADS = ("page", "token")
 # The "words" upcasts and the conversion each runs on both dots' operands (_e4m3_word_halves).
-# Mixed forms (one dot "cvt", the other "int", to spread the work over two pipes) were timed on
-# the H200 (results_mla.md, 2026-12-02) and lost to "words" at 5 of 6 shapes; not kept.
+# Mixed forms (one dot "cvt", the other "int", to spread the work over two pipes) were timed and
+# lost to "words" at most shapes; not kept.
 WORD_CONVERSIONS = {"words": "cvt", "words_int": "int", "words_pairs": "cvt"}
 # "words_pairs": PV as "words"; QK^T converts each word whole (its two bytes are latent columns
 # 2d, 2d + 1, a natural k pair of the dot) with no byte gather, q's columns permuted to match
@@ -132,7 +123,7 @@ MERGES = ("pallas", "xla")
 LAT_CHUNKS = (0, 1, 2, 4)
 PARTIALS = ("float32", "bfloat16")
 
-# H200 (sm_90) per-SM limits used by the occupancy estimate.
+# Hopper (sm_90) per-SM limits used by the occupancy estimate.
 _SMEM_PER_SM = 228 * 1024
 _SMEM_RESERVED_PER_CTA = 1024
 _REGS_PER_SM = 65536
@@ -184,9 +175,8 @@ def choose_num_splits(batch: int, n_hblk: int, capacity: int, block_k: int, *, r
     for 264 slots at B16 and 320 at B64.
     "fill": about 2 x SMs programs, each with >= 256 tokens (the rule before the sweep).
     "waves" takes at most MERGE_CHUNK (128) splits: the merge reads that many in one load, and
-    a second chunk cost it more than the kernel gained (H200, 2026-12-02, call 1, fp8 words at
-    B1 32K with 2 programs an SM: 256 splits, kernel 13.2 + merge 4.2 us; a 4-stage config of 1
-    program an SM in the same call, 128 splits: 12.4 + 2.5 us).
+    a second chunk cost it more than the kernel gained (measured at B1 32K, 256 against 128
+    splits).
     """
     nblk = max(1, -(-capacity // block_k))
     base = max(1, batch * n_hblk)
@@ -214,47 +204,31 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     """Block configuration for B sequences of `rows` = Tq * Hq query rows and a page table of
     `capacity` tokens: row block, key block, warps, stages, load mode, fp8 upcast, splits.
 
+    Each choice below is the fastest of a GPU sweep against the other candidates in the same
+    run (`python -m benchmarks mla`; figures in BENCHMARKS.md), unless it says otherwise.
     bf16 cache, rows <= 16 (Tq * Hq <= 16: e.g. 16 or 12 heads at Tq 1): 64-key blocks, 4 warps,
-    3 stages, "page" load, "waves" splits: the winner of the H200 sweep of 2026-11-29
-    (benchmarks/results_mla.md; % of torch copy bandwidth, 4.24 TB/s) at every shape measured:
-    B16 32K 79.9% (178.4 us; the previous default, 32-key blocks / 8 warps / 3 stages: 60.2%),
-    B64 128K 103.0% (2212.8 us, reads only against a read + write copy; previous 73.9%),
-    B1 128K 45.0% (79.2 us; previous 25.9%). When page_size is not a multiple of 64 (the
-    engine's default 16-token pages) the 64-key blocks use the "token" load, whose tile load is
-    not pipelined, with 2 stages: the "old+waves" configuration of that sweep (74.0% / 99.7% /
-    43.2%).
+    3 stages, "page" load, "waves" splits: faster at every shape than the 32-key / 8-warp blocks
+    before. When page_size is not a multiple of 64 (the engine's default 16-token pages) the
+    64-key blocks use the "token" load, whose tile load is not pipelined, with 2 stages.
     bf16, 64-row blocks (many heads: 96 or 128 heads on one GPU, as under DCP, or Tq * Hq > 32):
-    64-key blocks, 8 warps, 2 stages (wgmma; 221 KiB of shared memory, 255 registers on sm_90):
-    1.44-1.54x faster than 32-key blocks at 2 stages on the H200 (2026-11-30: 128 heads B16 32K
-    594.0 vs 914.4 us, 246 vs 160 TFLOP/s; B1 128K 163.4 vs 236.1 us), and faster than 32-key
-    blocks at 3 stages (765.7 us) and 32-row blocks (839.0 us). Compute-bound there: each step
-    waits for its load, then runs QK^T, the softmax and PV one after the other.
+    64-key blocks, 8 warps, 2 stages (wgmma; most of sm_90's shared memory and registers):
+    faster than 32-key blocks at 2 or 3 stages and than 32-row blocks. Compute-bound there: each
+    step waits for its load, then runs QK^T, the softmax and PV one after the other.
     Not measured, so still chosen from sm_90 compiles (Triton on CPU: shared memory, registers,
     which loads are pipelined): bf16 rows 17-32 and fp32 caches: 32-key blocks, 8 warps, 3 stages
     (64-key blocks at 3 stages would not fit an fp32 tile pair in 227 KiB); fp8 64-row blocks:
     32-key blocks, 8 warps, 2 stages.
     fp8 words form (uint16 cache): "words_pairs" with lat_chunks 1 (one accumulator per QK^T
-    dot), fp16 dots, 64-key blocks, 4 warps, 3 stages at 16-row blocks. H200, 2026-12-03
-    (results_mla.md, calls 2 and 3), % of copy at B16 32K / B64 32K / B16 128K / B1 128K:
-    "words" 68.3 / 75.4 / 75.9 / 47.5, "words_pairs" 71.8 / 80.2 / 80.2 / 47.4, with
-    lat_chunks 1 72.9 / 81.6 / 81.5 / 49.9 (call 3 again: words 68.2 / 75.6 / 75.5 / 47.4,
-    pairs 71.6 / 80.1 / 80.0 / 47.3, lat_chunks 1 72.8 / 81.5 / 81.5 / 50.0); B64 128K, the
-    noisiest shape, pairs 79.9 / 81.4 / 79.6 and lat_chunks 1 76.9 / 83.9 / 77.0 in three
-    samples; lat_chunks 2 and 4 1-4 points below 0 or 1. The blocks, from the 2026-12-02 sweep
-    of "words" (B16 32K / B64 128K, each against the default in the same call: call 1 default
-    65.6 / 70.0, 8 warps 49.0 / 54.6, 4 stages 58.7 / 67.0; call 2 default 68.9 / 76.6, 2 stages
-    62.0 / 70.6, 32-key blocks at 4 stages 56.8 / 63.6, at 6 stages 55.0 / 62.1; call 5
-    "words_int" 64.1 / 70.2 against 70.3 / 77.6). 64-row blocks (96-128 heads, as under DCP):
-    "words", 64-key blocks, 8 warps, 2 stages, lat_chunks 0: H200 2026-12-03 call 5, 128 heads
-    B16 32K / 96 heads B64 16K / 128 heads B1 128K 1071.8 / 2155.6 / 278.7 us against 1307.2 /
-    2503.7 / 344.5 for the previous "words_pairs" 32-key 2-stage blocks (32-key 3-4 stages and
-    "words" 32-key within 4%; 16-key blocks, which spill least offline, 1.6x slower; 64-key
-    "pairs" at 1 stage 1092.3 / 2225.2 / 287.3); still 1.8-1.9x bf16's time there (569.7 / 1136.6
-    / 157.9 us): the conversion is one more serial phase of a step in a kernel bound by its
-    step's latency (1 program an SM); "words_int" on ROCm (no PTX there; not run on AMD).
+    dot), fp16 dots, 64-key blocks, 4 warps, 3 stages at 16-row blocks: ahead of "words" and of
+    lat_chunks 0, 2 and 4 at every 16-head shape from B16 32K up, in repeated calls; the blocks
+    beat 8 warps, 2 or 4 stages and 32-key blocks, and "words_int" is slower. 64-row blocks
+    (96-128 heads, as under DCP): "words", 64-key blocks, 8 warps, 2 stages, lat_chunks 0
+    (faster than "words_pairs" at 32-key blocks or 1 stage, and than 16-key blocks, which spill
+    least offline); still slower than bf16 there: the conversion is one more serial phase of a
+    step in a kernel bound by its step's latency (1 program an SM). "words_int" on ROCm (no PTX
+    there; not run on AMD).
     fp8 (float8 cache): 64-key blocks, 8 warps, 3 stages, "operand" upcast with fp16 dots: the
-    fastest float8 configuration of the 2026-11-30 run at every 16-head shape (GPU time; 26.7% / 29.3% / 21.4%
-    of copy bandwidth at B16 32K / B64 128K / B1 128K, 1.35-1.48x faster than the "mixed" bf16
+    fastest float8 configuration at every 16-head shape (faster than the "mixed" bf16
     configuration that was the default), but still slower in time than bf16 (Triton stages the
     converted tile through shared memory or registers: see the module docstring).
     """
@@ -282,10 +256,10 @@ def default_config(batch: int, rows: int, capacity: int, dtype, page_size: int |
     else:
         block_k, num_warps, num_stages = 32, 8, 3
     if rocm:
-        # The H200 choices do not fit AMD: bk64 w4 st3 compiles (upstream Triton 3.6, offline)
-        # to 147 KiB of LDS (MI300X has 64 KiB) and spills 382 registers on gfx942. 32-key
-        # blocks, 4 warps (wave64), one stage: 32 KiB LDS, 328-337 VGPRs, no spill on gfx942 /
-        # gfx950, bf16 and fp8 (16 rows; benchmarks/kernel_resources.py). Not run on AMD.
+        # The CUDA choices do not fit AMD: bk64 w4 st3 compiles (upstream Triton, offline)
+        # to more LDS than MI300X's 64 KiB and spills on gfx942. 32-key blocks, 4 warps
+        # (wave64), one stage fit the LDS without spills on gfx942 / gfx950, bf16 and fp8
+        # (16 rows; `python -m benchmarks resources`). Not run on AMD.
         block_k, num_warps, num_stages = min(block_k, 32), 4, 1
     sms = num_sms or device_sms()
     slots = sms * programs_per_sm(block_h, block_k, num_warps, num_stages, itemsize, fp8_upcast)
@@ -331,7 +305,7 @@ def _e4m3_word_pairs(w, ptx: bool):
     b[2i + 1] = w[2i + 1]'s: one cvt per word and no byte gather. Not elementwise: on the GPU
     (PTX, pack=2) it relies on Triton packing the two words adjacent in the last axis into one
     register, as it does for the QK^T operand (16-bit dot operands pair k-adjacent elements);
-    the GPU check of bench_mla_decode.py holds it to the reference."""
+    the GPU check of `python -m benchmarks mla` holds it to the reference."""
     if ptx:
         sd = jax.ShapeDtypeStruct(w.shape, jnp.float16)
         return tuple(plgpu.elementwise_inline_asm(
@@ -594,10 +568,9 @@ def _mla_decode_pallas(q, cache, page_table, lengths, scale, cache_scale, *, num
                          '(or None)')
     fp16_dots = is_fp8 and fp8_dot == "fp16"
     compute_dtype = (jnp.float16 if fp16_dots else jnp.bfloat16) if is_fp8 else cache.dtype
-    # Where q rows are scaled for fp16 dots: in the kernel at 16-row blocks (saves 4.0 us of
-    # small XLA kernels a call at batch 1 on the H200), outside for larger blocks (in the kernel
-    # the 64-row fp8 "operand" kernel read 1878.6 us at 128 heads, B16 32K; outside, 1138.5
-    # and 1119.9 in the calls before and after; results_mla.md, 2026-12-02)
+    # Where q rows are scaled for fp16 dots: in the kernel at 16-row blocks (saves a few small
+    # XLA kernels a call, which matter at batch 1), outside for larger blocks (inside, the
+    # 64-row fp8 "operand" kernel was much slower)
     row_scale = None if not fp16_dots else ("kernel" if block_h == 16 else "input")
 
     qf = q.reshape(B, rows, CACHE_DIM)
@@ -790,8 +763,8 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
     launch; "xla": reference.merge_stacked); partials: the dtype of the per-split outputs
     written by the kernel and read by the merge: "float32", or "bfloat16" (half that traffic,
     one more bf16 rounding of each normalised partial; the merge weighs and sums in fp32). None:
-    "bfloat16" when out_dtype is a 16-bit type (the result is rounded to 16 bits anyway; H200
-    2026-11-30: B1 128K 45.1 vs 46.2 us, 80.0% vs 78.1% of copy bandwidth), else "float32".
+    "bfloat16" when out_dtype is a 16-bit type (the result is rounded to 16 bits anyway, and
+    half the partials' bytes made B1 decode faster), else "float32".
     `resolve_config` gives the configuration a call runs with. See the module docstring.
     """
     backend = resolve_backend(backend)

@@ -153,9 +153,8 @@ def mla_prefill_chunked(q, k, v, lengths, *, scale, chunk: int = 512):
 
 def default_blocks(platform: str) -> dict:
     """(block_q, block_k, num_warps, num_stages) by platform. CUDA: 128-query blocks, 8 warps, 4
-    stages, the fastest of the H200 sweep of 2026-11-30 at every shape but one
-    (benchmarks/results_mla.md: 966 vs 1000 us at B1 T8192 H16, 13143 vs 14000 us at T32768; at
-    B4 T4096 equal); still 0.70-0.78x cuDNN. Elsewhere (ROCm, the interpreter) 64 x 64 blocks, 4
+    stages, the fastest of a GPU sweep at every shape but one (where it tied); still behind
+    cuDNN (BENCHMARKS.md, MLA prefill). Elsewhere (ROCm, the interpreter) 64 x 64 blocks, 4
     warps, 2 stages: ~40 KiB a stage, inside MI300X's 64 KiB LDS (not measured on AMD)."""
     if platform == "cuda":
         return dict(block_q=128, block_k=64, num_warps=8, num_stages=4)

@@ -16,12 +16,12 @@ received tokens. A tile with few rows (the tail of a group) runs a smaller `bloc
 so prefill does not pay a full block_m of padding per expert.
 With `n_per_program` > 1 a program takes that many column blocks in one flattened (column block,
 K block) loop: one pipeline fill per program instead of per block, which is what a short K needs
-(a TP8 rank's down projection, K 384: 36% -> 65% of copy on the H200, results_moe.md run 9).
+(a TP8 rank's down projection, K 384: close to twice the bandwidth of one column block a program).
 With `x_resident` as well, the row tile's x is loaded once (all K blocks, before the loop) and the
 loop walks the column blocks with the K blocks unrolled inside: a column block no longer reloads
 x, and the loop's per-step bookkeeping is paid once per column block (offline sm_90: 300 instead of
-408 instructions a warp per K block; on the H200 the TP8 down slice's kernel 71 -> 73% of copy,
-results_moe.md run 11). The default for K of at most 4 blocks.
+408 instructions a warp per K block; a little faster on the TP8 down slice). The default for K of
+at most 4 blocks.
 
 MXFP4 in the kernel: every dequantisation variant (`GmmConfig.dequant`) produces the exact weight
 times 2^-14 in the activation dtype; the 2^14 is applied once to the fp32 accumulator.
@@ -47,7 +47,7 @@ times 2^-14 in the activation dtype; the 2^14 is applied once to the fp32 accumu
     every byte bit-exactly on the device.
   "split_asm_t": the "split_asm_sub" weights (same bits, factor, scale bytes 16..142) in a
     transposed product, out^T = W_lo . x_even^T + W_hi . x_odd^T: the dequantised weights are the
-    dot's first operand, so on the H200 Triton issues wgmma with them in registers and x read from
+    dot's first operand, so on Hopper Triton issues wgmma with them in registers and x read from
     shared memory (in "split_asm_sub", x's mma.sync fragments cost 0.5 instructions per weight in
     register copies: Triton loads them as pairs that straddle the quads). The packed columns of
     each K block are taken in a fixed order (`_perm_t`), x's even/odd columns gathered in the same
@@ -66,14 +66,14 @@ times 2^-14 in the activation dtype; the 2^14 is applied once to the fp32 accumu
     one-hot device check is exact). CUDA only, like the other "split_asm*" variants.
 The paired layout (`MXFP4PairedWeight`, `paired.py`): the packed bytes re-encoded at load time so
   that "split_asm_t"'s nibble PTX is 8 integer instructions per 8 weights instead of 14 (offline
-  1184 -> 992 SASS instructions in the TP8 kernel; on the H200 7-9% faster, bit-exact). Its decode
+  1184 -> 992 SASS instructions in the TP8 kernel; faster on the GPU, bit-exact). Its decode
   depends on Triton packing bytes c, c + 1 of rows r and r + 8 into one asm operand, which the
   device's one-hot check confirms. Each such operand is stored as one 32-bit word (rows r, r + 8
   interleaved), so the loaded word is the operand: 992 -> 960 instructions (the pairing prmt
   gone). On a GPU only "split_asm_t" decodes it; the interpreter decodes it back to K3 bytes per
   tile and runs any variant.
-K blocks of 128 in "split_asm_t" gave different outputs from call to call on the H200 in some
-  configs of both layouts (results_moe.md runs 8-9; not root-caused) in the plain K loop:
+K blocks of 128 in "split_asm_t" gave different outputs from call to call on the GPU in some
+  configs of both layouts (not root-caused) in the plain K loop:
   `default_config` uses 256, and 128 only in the flattened loop over several column blocks
   (`n_per_program`), which never differed in the probes and is the fast form for a short K.
 Triton notes (upstream Triton 3.6 compiled for sm_90 on CPU, SASS of the K loop, decode tile 16 x 128
@@ -160,7 +160,7 @@ class GmmConfig:
     n_per_program: int = 1
     # Dense weights: the short tiles (block_m_small rows) as the transposed product
     # w^T [block_n, K] . x^T -> [block_n, rows], so that the weights fill the MMA's M side (a
-    # 32-row tile is below the 64 rows of one H100/H200 wgmma) and the rows are its N side.
+    # 32-row tile is below the 64 rows of one Hopper wgmma) and the rows are its N side.
     transpose_small: bool = False
     # With n_per_program > 1: x's K blocks loaded once a program (before the loop), which then
     # walks the column blocks with the K blocks unrolled inside (short K only: n_k x-tiles live
@@ -172,8 +172,7 @@ class GmmConfig:
     # one (transposed when transpose_small) on the same weight tile of each K step: the group's
     # weights are streamed (and MXFP4 ones dequantised, "split_asm_t" only) once instead of
     # once more for its short tail tile. The bf16 prefill default; opt-in for MXFP4 (4 warps:
-    # 12-18% faster at 8192 tokens on the H200; 8 warps gave call-to-call differences and NaN
-    # on the TP8 shapes, results_moe.md run 11).
+    # faster at 8192 tokens; 8 warps gave call-to-call differences and NaN on the TP8 shapes).
     fuse_tail: bool = False
 
     def __post_init__(self):
@@ -227,41 +226,34 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
     inline PTX) on "cuda" with bf16 activations (x_dtype; the only case checked bit-exact on the
     device), the portable "split" everywhere else, ROCm included.
 
-    Measured on one H200 (2026-11-29, benchmarks/results_moe.md) at K3's TP8 gate+up slice
-    (896 experts, top-16, K 3584, N 768; torch._grouped_mm on the same inputs in the same run;
-    % of the torch copy bandwidth, 4.25 TB/s read + write, in packed weight bytes):
-    * MXFP4 decode (< 24 rows per expert): bm16 bn128 bk256 w4 s4. At 64 tokens: "split_asm_sub"
-      0.399 ms, 52% (torch on the dequantised bf16 weights 1.020 ms), "split_asm" 40%, "split"
-      29%, "interleave" (the previous default, bk128) 24%; at 512 tokens "split_asm_sub" 0.613 ms,
-      50% ("split" not run there). Every variant run was bit-exact on the device. The 70% target is
-      missed. "split_asm_sub" needs scale bytes <= 142 (larger ones give inf, not a silent
-      error; real weights sit near 127). Off CUDA: "split" with bk128, the previous default's K
-      block (12.5 KiB of inputs a pipeline stage, <= 50 KiB with four buffers: inside MI300X's
-      64 KiB LDS; bk256 takes 25 KiB a stage); not measured on any GPU in this form.
-    * bf16 decode: bm16 bn128 bk128 w4 s4, unchanged (0.785 ms at 64 tokens in the earlier run of
-      that day). The benchmark's bf16 decode configs in this run: bn256 w8 s4 at 64 tokens
-      0.783 ms (1.30x torch), bm32/16 at 512 tokens 1.159 ms (1.26x), both ~100% of copy.
-    * bf16 prefill (>= 96 rows per expert, N >= 256, not fused): bm128/32 bn256 bk64 w8 s4,
-      8192 tokens 1.874 ms vs torch 1.905 ms (1.02x); the same blocks with s3 (the previous
-      default) 1.933 ms (0.99x) in the same run, so the gain is marginal, within run-to-run noise.
+    Chosen on the GPU at K3's shapes (896 experts, top-16; `python -m benchmarks moe`, against
+    torch._grouped_mm and the copy bandwidth in the same run; figures in BENCHMARKS.md):
+    * MXFP4 decode (< 24 rows per expert): bm16 bn128 bk256 w4 s4 with the inline-PTX
+      dequantisation, the fastest variant, each checked bit-exact on the device ("split_asm" and
+      the portable "split" and "interleave" slower in that order). "split_asm_sub" needs scale
+      bytes <= 142 (larger ones give inf, not a silent error; real weights sit near 127). Off
+      CUDA: "split" with bk128 (12.5 KiB of inputs a pipeline stage, <= 50 KiB with four
+      buffers: inside MI300X's 64 KiB LDS; bk256 takes 25 KiB a stage); not measured on any GPU
+      in this form.
+    * bf16 decode: bm16 bn128 bk128 w4 s4, at copy bandwidth.
+    * bf16 prefill (>= 96 rows per expert, N >= 256, not fused): bm128/32 bn256 bk64 w8 s4 with
+      transposed, fused tails (see `_default_config`).
     * Not measured with these choices: the middle regime, MXFP4 prefill (still "interleave"),
       ROCm.
     * The fused gate/up (`glu_`) takes half the plain kernel's block_n (and 8 warps at prefill):
       each program holds two accumulators and streams two weight tiles. At the plain blocks it
-      was measured at half the unfused product's rate (results_moe.md runs 4-5: 45-46% of copy
-      at decode vs 65-66%; 123-125 TFLOP/s at 8192 tokens vs 247), and offline (upstream Triton
-      3.6, sm_90, K3's gate/up) it took 129 KB of shared memory at decode (one block per SM) and
-      spilled 1.6-1.8 KB a thread at prefill. With half the block_n: 77 KB and 168 registers at
-      decode, no spill at prefill (128 x 64, 8 warps: 174 registers). Timed in the K3 layer
-      (results_moe.md run 6): 4.77 -> 4.14 ms at 64 tokens, 69.5 -> 51.4 ms at 8192 (MXFP4).
-      The unfused form (two plain products) is still 1-9% faster and is the layer's default.
+      ran at about half the unfused product's rate, and offline (upstream Triton, sm_90, K3's
+      gate/up) it took 129 KB of shared memory at decode (one block per SM) and spilled at
+      prefill. With half the block_n: 77 KB and 168 registers at decode, no spill at prefill
+      (128 x 64, 8 warps: 174 registers), and faster in the K3 layer. The unfused form (two plain
+      products) is faster still and is the layer's default.
     """
     cfg = _default_config(m, g, k, n, quant, glu_, platform, x_dtype, layout)
     if quant and layout == "paired" and (platform or kernel_platform()) == "cuda" \
             and jnp.dtype(x_dtype) == jnp.bfloat16:
         # the paired layout decodes only in "split_asm_t" (any K block of 32s; the middle and
-        # prefill regimes' MXFP4 kernels are otherwise "interleave"). Prefill keeps bk 64: its
-        # rows in results_moe.md run 8 showed no call-to-call differences (the bk-128 race).
+        # prefill regimes' MXFP4 kernels are otherwise "interleave"). Prefill keeps bk 64: it
+        # showed no call-to-call differences (the bk-128 race).
         cfg = dataclasses.replace(cfg, dequant="split_asm_t")
     return cfg
 
@@ -277,28 +269,26 @@ def _default_config(m, g, k, n, quant, glu_, platform, x_dtype, layout) -> GmmCo
                              num_stages=4)
         on_cuda = (platform or kernel_platform()) == "cuda"
         asm = on_cuda and jnp.dtype(x_dtype) == jnp.bfloat16
-        # "split_asm_t" (2026-11-30: 0.374 vs 0.396 ms at 64 tokens, 0.585 vs 0.617 at 512,
-        # bit-exact on the device) for the plain matmul; the fused gate/up keeps "split_asm_sub"
+        # "split_asm_t" (faster than "split_asm_sub" at 64 and 512 tokens, bit-exact on the
+        # device) for the plain matmul; the fused gate/up keeps "split_asm_sub"
         # (its "split_asm_t" form compiles to 255 registers offline and was not timed).
         asm_variant = "split_asm_sub" if glu_ and layout != "paired" else "split_asm_t"
         bk = _fit_k(256 if on_cuda else 128, k)
         stages, n_per, x_res = 4, 1, False
         if asm and asm_variant == "split_asm_t" and bk < 256:
             # "split_asm_t" with K blocks of 128 in the plain K loop gave different outputs from
-            # call to call on the H200 in some configs of both layouts (results_moe.md runs 8-9:
-            # NaN in the K3 layout at bn64 s4, K 384; not root-caused). The same blocks in the
-            # flattened loop over 4 column blocks (n_per_program) showed no difference in any
-            # probe call (6 configs x 2 layouts x 8-12 calls, 64 and 512 tokens), and they are
-            # the fast form for a short K: a TP8 rank's down projection (K 384) at 64% of copy
-            # (paired; 0.163 ms at 64 tokens), where one column block per program at bk 256
-            # (the fallback until run 9) ran at 36% and bk 128 s4 at 58-60%.
+            # call to call on the GPU in some configs of both layouts (NaN in the K3 layout at
+            # bn64 s4, K 384; not root-caused). The same blocks in the flattened loop over 4
+            # column blocks (n_per_program) showed no difference in repeated calls of 6 configs
+            # x 2 layouts at 64 and 512 tokens, and they are the fast form for a short K: a TP8
+            # rank's down projection (K 384), where one column block per program at bk 256 ran
+            # at about half the rate.
             bk, stages, n_per = 128, 3, 4
             if layout == "paired" and pl.cdiv(k, 128) <= _X_RESIDENT_MAX_K_BLOCKS:
                 # x's K blocks once a program, 7 column blocks in the loop: at the TP8 down slice
-                # 142.7 / 210.7 us kernel (64 / 512 tokens) against 147.3 / 218.8 for the
-                # flattened loop over 4 (results_moe.md run 11; 7 of 2 / 4 / 7 / 14 the best at
-                # 64 tokens, 14 0.7% faster at 512; 2 and 4 stages slower). In the K3 layout
-                # (longer nibble PTX) the same form was 8-9% slower than the flattened loop.
+                # a little faster than the flattened loop over 4 (7 of 2 / 4 / 7 / 14 the best at
+                # 64 tokens, within noise of 14 at 512; 2 and 4 stages slower). In the K3 layout
+                # (longer nibble PTX) the same form was slower than the flattened loop.
                 n_per, x_res = 7, True
         return GmmConfig(block_m=16, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
                          dequant=asm_variant if asm else "split", n_per_program=n_per,
@@ -309,13 +299,10 @@ def _default_config(m, g, k, n, quant, glu_, platform, x_dtype, layout) -> GmmCo
     if quant or glu_ or n < 256:
         return GmmConfig(block_m=128, block_n=bn, block_k=_fit_k(64, k), block_m_small=32,
                          num_warps=8 if glu_ else 4, num_stages=3)
-    # bf16 prefill: the short tiles as w^T . x^T (wgmma 64 x 32 instead of mma.sync): on the
-    # H200 (results_moe.md run 9) 13.91 -> 13.65 ms on the whole gate+up at 8192 tokens (2%),
-    # a tie on the other shapes. Tails of up to 32 rows fused into their group's last tile (one
-    # weight stream a group; run 11, 8192 tokens, torch._grouped_mm in the same call): TP8
-    # gate+up 1.799 -> 1.457 ms (0.91x -> 1.12x torch), whole gate+up 13.64 -> 11.45 (1.17x),
-    # TP8 down 1.191 -> 1.120 (1.13x), whole down 6.38 -> 5.40 (1.21x); 3 stages and untransposed
-    # tails slower.
+    # bf16 prefill: the short tiles as w^T . x^T (wgmma 64 x 32 instead of mma.sync): a small
+    # gain on the whole gate+up, a tie on the other shapes. Tails of up to 32 rows fused into
+    # their group's last tile (one weight stream a group): faster on every K3 shape, which takes
+    # the kernel past torch._grouped_mm; 3 stages and untransposed tails slower.
     return GmmConfig(block_m=128, block_n=256, block_k=_fit_k(64, k), block_m_small=32,
                      num_warps=8, num_stages=4, transpose_small=True, fuse_tail=True)
 
@@ -341,7 +328,7 @@ def tile_metadata(group_sizes, m: int, block_m: int, tail: int = 0):
 
     group == G marks a tile of the rows past sum(group_sizes) (written as zeros); group == -1 marks
     an unused slot. The definition (and the reference of `tiles.tile_plan`, which the kernel path
-    runs: XLA makes 4 kernels of this, 6.4 us on the H200 against 3.0-3.5 us for the one launch).
+    runs: XLA makes 4 kernels of this, about twice the time of the one launch).
     Groups past row M (sum(group_sizes) > M breaks the contract) are clipped: their tiles past M
     are unused slots.
     """
@@ -608,7 +595,7 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
                     mask=mask)
 
     # "split_asm_t": the transposed product w [bn, kk] . x [bm, kk]^T -> [bn, bm] (weights as the
-    # first operand: on the H200 a wgmma with the dequantised weights in registers and x read from
+    # first operand: on Hopper a wgmma with the dequantised weights in registers and x read from
     # shared memory); columns in `_perm_t` order (x_ref holds them so, or `stride` indexes them).
     transposed = quant and bits == "asm_t"
     perm_s = half // 16  # `_perm_t` steps per K block
@@ -840,8 +827,7 @@ class SplitX:
     whole blocks of `block_k`). `split_x` builds it; `moe_gmm` takes it in place of x when its
     config needs this layout (checked), so a caller can split once for several products (gate
     and up) or before a row gather (`take`: the MoE layer splits its N tokens, not the N * top-k
-    gathered rows: at 512 tokens the split of the rows was 41 us of a TP8 rank's 0.47 ms gate+up,
-    results_moe.md run 10)."""
+    gathered rows: splitting the gathered rows was a visible share of a TP8 rank's gate+up)."""
 
     def __init__(self, data, k: int, block_k: int, dequant: str):
         self.data, self.k, self.block_k, self.dequant = data, k, block_k, dequant
@@ -1026,8 +1012,8 @@ def moe_gmm_glu(x, w1, w3, group_sizes, *, activation: str = "swiglu", backend: 
     25 tanh(b / 25)). w1, w3 as in `moe_gmm` (both dense or both MXFP4). `fuse`: one pass over
     x with both products and the activation in the kernel's epilogue; False: two `moe_gmm`
     launches with fp32 outputs, then the activation in XLA (same math, an [M, N] fp32 pair in
-    memory). Unfused is the default: inside the K3 layer on the H200 it was faster at 64, 512
-    and 8192 tokens, MXFP4 and bf16 (results_moe.md run 6), even with the fused kernel's
+    memory). Unfused is the default: inside the K3 layer on the GPU it was faster at 64, 512
+    and 8192 tokens, MXFP4 and bf16, even with the fused kernel's
     half-width blocks that no longer spill."""
     backend = resolve_backend(backend)
     out_dtype = preferred_element_type or x.dtype

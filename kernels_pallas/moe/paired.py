@@ -10,7 +10,7 @@ prmt, and, mul, and per two weights. Here those 32 bits are stored as a GF(2)-li
 same bits, chosen so that each of the four output registers is one rotation of `u` (optionally
 xor'ed with `u`) and one mask (`DECODE`): shf + and, or shf + lop3. No rotation-and-mask scheme
 without the xor exists, and none with shared rotations at 6 instructions (exhaustive search over
-rotations and byte permutes, 2026-12-02). The decode is no longer elementwise: it is exact only if
+rotations and byte permutes). The decode is no longer elementwise: it is exact only if
 Triton packs the four bytes above into one asm operand, in that order; the benchmark's one-hot check
 verifies that bit for bit on the device.
 

@@ -2,9 +2,9 @@
 
 `gmm.tile_metadata` (plain JAX, the reference) is the definition: [3, T] int32 (group, row start,
 row end) per tile, T = cdiv(M, block_m) + G. XLA runs it as 4 kernels (two reductions, a gather
-and a select): 6.4 us of GPU time on the H200 at 64 and 512 tokens (896 experts, top-16), 4% of a
-TP8 rank's down projection at 64 tokens. This computes the same table in one launch: 3.0 / 3.5 us
-(results_moe.md run 10, chunks of 1-32 tiles and 1-8 warps timed). Each program rebuilds the
+and a select), a few percent of a TP8 rank's down projection at decode. This computes the same
+table in one launch, in about half their time (chunks of 1-32 tiles and 1-8 warps timed). Each
+program rebuilds the
 per-group sums on its own (G is at most ~1k: two cumsums of G + 1 values) and fills `_CHUNK` tiles,
 so no program waits for another; Triton has no register gather, so a tile's group values are
 masked sums over the groups.
@@ -29,7 +29,7 @@ def group_tiles(gs, block_m: int, tail: int = 0):
     return jnp.where(gs > 0, (jnp.maximum(gs - tail, 1) + block_m - 1) // block_m, 0)
 
 
-_CHUNK = 4  # tiles per program ([4, G] compares and masked sums): the fastest of 1-32 on the H200
+_CHUNK = 4  # tiles per program ([4, G] compares and masked sums): the fastest of 1-32 timed
 _WARPS = 4
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+from jax import shard_map
+from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
 from kernels_pallas import resolve_backend
 from kernels_pallas.kda.decode import kda_decode
+from sharding.kda import AXIS, kda_cache_specs, kda_tensor_axis
+from sharding.rules import param_spec
 from .common import F32, Weight, causal_conv, rms_normalize
 
 # At most this many new tokens per sequence go through the per-token recurrence (decode, verify);
@@ -98,7 +102,6 @@ def kda_apply(cfg, p, x, cache, n_new, backend=None, tensor_axis=None, all_posit
     else:
         # K3's bounded gate lies in (lower_bound, 0) with lower_bound >= -5 (Config checks it):
         # the chunk kernel's safe_gate promise, so its diagonal blocks skip the span check
-        # (H200, 2026-12-01: 0.7-2.5% faster wall clock at the three prefill shapes, results_kda.md)
         o, state = kernels_pallas.kda_chunk(q, k, v, g, beta, backend=backend,
                                             safe_gate=cfg.gate_lower_bound is not None, **args)
 
@@ -107,10 +110,29 @@ def kda_apply(cfg, p, x, cache, n_new, backend=None, tensor_axis=None, all_posit
     return out_proj(o.reshape(B, T, P).astype(dt)), {"state": state, "conv": conv_state}
 
 
+def kda_sharded(cfg, p, x, cache, n_new, backend=None, mesh=None, all_positions=False):
+    """One KDA layer per rank's heads on `mesh` (default: the ambient one); traceable in jit.
+    x [B, T, D] and the output are replicated; the cache stays split over heads. The Pallas
+    decode / chunk kernels see only local heads (no custom call is ever partitioned by XLA), and
+    the output projection's partial sums meet in one all-reduce."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    specs = jax.tree_util.tree_map_with_path(lambda path, w: param_spec(path, w.shape, mesh, cfg), p)
+    cspecs = kda_cache_specs(cfg, mesh)
+    out_cspecs = cspecs
+    if all_positions:  # the state after every position: [B, T, H, K, K], heads still split
+        out_cspecs = {**cspecs, "state": P(None, None, *cspecs["state"][1:])}
+    f = shard_map(lambda p, x, c, n: kda_apply(cfg, p, x, c, n, backend, tensor_axis=AXIS,
+                                               all_positions=all_positions),
+                  mesh=mesh, in_specs=(specs, P(), cspecs, P()), out_specs=(P(), out_cspecs),
+                  check_vma=False)
+    return f(p, x, cache, n_new)
+
+
 class KDA(nn.Module):
     """The KDA layer. Under an ambient mesh whose tensor axis divides the heads (kimik3's
     functions set the model's mesh) it runs `kda_apply` per rank's heads in shard_map
-    (sharding/kda.py): the recurrence kernels see local heads and the state stays split."""
+    (`kda_sharded`, placement in sharding/kda.py): the recurrence kernels see local heads and
+    the state stays split."""
     cfg: object
 
     @nn.compact
@@ -123,7 +145,6 @@ class KDA(nn.Module):
         p = kda_weights(self, cfg)
         if self.is_initializing():
             return kda_apply(cfg, p, x, cache, n_new, backend)
-        from sharding.kda import kda_sharded, kda_tensor_axis
         if kda_tensor_axis(cfg, jax.sharding.get_abstract_mesh()) is not None:
             return kda_sharded(cfg, p, x, cache, n_new, backend, all_positions=all_positions)
         return kda_apply(cfg, p, x, cache, n_new, backend, all_positions=all_positions)

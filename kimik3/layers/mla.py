@@ -187,8 +187,8 @@ def history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, s
     """Causal attention of T new queries (at positions start + t) over a paged cache that already
     holds them, in expanded form, one chunk of key positions at a time with an online softmax:
     the memory is O(B H T chunk), where attending the whole table at once took the T x S scores
-    and the B x S x H expanded keys (48 GiB for 64 rows of 1024 new tokens over 32K positions
-    and 12 heads: H200, 2026-12-03). Steps past the batch's longest history are not run.
+    and the B x S x H expanded keys (tens of GiB for 64 rows of 1024 new tokens over 32K
+    positions). Steps past the batch's longest history are not run.
     q_nope [B, T, H, dn], q_rope [B, T, H, dr]; latent [pages, P, C] with table [B, pages a row];
     w_uk [R, H, dn], w_uv [R, H, dv]. Returns [B, T, H, dv] in `dtype` (0 where no key)."""
     B, T, H, _ = q_nope.shape

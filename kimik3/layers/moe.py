@@ -5,40 +5,47 @@ RMSNorm, up) and the shared experts. Math: reference/k3_checkpoint.md section 3.
 
 The math is written once, as pure functions of a parameter dict (`moe_apply`, `experts_combine`,
 `mlp_apply`); the Linen modules only declare the weights and call them. Under a mesh the same
-`moe_apply` runs per shard inside shard_map (sharding/moe.py), told by `MoEAxes` which of its
-weights are split over which mesh axis and therefore which partial sums to reduce.
+`moe_apply` runs per shard inside shard_map (`moe_sharded`), told by `MoEAxes` (the placement in
+sharding/rules.py) which of its weights are split over which mesh axis and therefore which partial
+sums to reduce.
+
+MoE dedup. Every TP rank holds the same latent vector after the experts'
+reduction and the latent RMSNorm. Without dedup each rank multiplies it by the whole latent ->
+hidden up-projection and adds the result to the all-reduced shared-expert output. With dedup each
+rank multiplies only by the up-projection columns it owns (D / TP output coordinates, the only
+rows of HF's [D, L] weight it loads), adds them into its own slice of the shared experts' partial
+sum, and the all-reduce the shared experts need anyway assembles both: no new collective, a 1/TP
+share of the up-projection FLOPs and weights per rank, and every coordinate receives its routed
+contribution exactly once. Collectives per layer either way: one all-reduce of the routed latent
+partial sums (when the experts' intermediate is split over TP) and one of the output; without
+dedup XLA may combine the two into one all-reduce of the same bytes (tests/test_moe_sharding.py).
+
+Expert parallelism (Config.moe_placement "expert", or "auto" on a mesh with an `expert` axis > 1):
+the routed experts' weights are split over `expert` along the expert dimension, so each rank holds
+E / ep whole experts (and, with a tensor axis too, 1/TP of their intermediate). Tokens reach the
+MoE replicated over `expert`, so every rank already holds all of them: the token gather costs
+nothing. Each rank routes every token, runs the grouped matmuls on the (token, expert) pairs of
+its own experts only, and the weighted combine is one all-reduce over (expert, tensor) of the
+latent partial sums. Shared experts and the up-projection stay under tensor parallelism.
 """
 from __future__ import annotations
 
 import functools
 import operator
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+from jax import shard_map
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.moe import (MXFP4PairedWeight, MXFP4Weight, gather_rows, moe_gmm,
                                 moe_gmm_glu, mxfp4)
+from sharding.moe import moe_param_specs
+from sharding.rules import MoEAxes, moe_axes
 from .common import F32, INIT_STD, Weight, glu, rms_normalize
 
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-class MoEAxes(NamedTuple):
-    """Mesh axes one shard's MoE weights are split over (None: the whole dimension on every rank).
-
-    expert: the routed experts' expert dimension (expert parallelism): rank r holds experts
-      [r * E_local, (r + 1) * E_local) and computes only the (token, expert) pairs routed to them.
-    expert_inner: the routed experts' intermediate dimension (tensor parallelism).
-    shared: the shared experts' intermediate dimension.
-    up: the latent up-projection's output columns (MoE dedup: each rank computes the hidden
-      coordinates it owns and adds them into the shared experts' partial sum).
-    """
-    expert: str | None = None
-    expert_inner: str | None = None
-    shared: str | None = None
-    up: str | None = None
 
 
 def _proj(x, p, dt):
@@ -117,9 +124,8 @@ def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0,
     `experts` holds E_local of them (its leading dimension), ids first .. first + E_local - 1;
     pairs routed elsewhere contribute 0. With the whole set (first 0, E_local = E) this is the
     layer's routed output; split intermediates give a partial sum. `fuse_glu`: gate/up and the
-    activation in one kernel (see `moe_gmm_glu`); off by default: at K3 dims on the H200 the two
-    products plus the activation in XLA were faster at every token count (results_moe.md run 6,
-    MXFP4 layer 3.81 vs 4.14 ms at 64 tokens, 46.8 vs 51.4 ms at 8192)."""
+    activation in one kernel (see `moe_gmm_glu`); off by default: at K3 dims the two products
+    plus the activation in XLA measured faster at every token count (BENCHMARKS.md, MoE)."""
     dt = cfg.jnp_dtype
     w = {n: _grouped_weight(experts, n, dt, cfg.mxfp4_layout) for n in ("w1", "w3", "w2")}
     E_local = w["w1"].shape[0]
@@ -136,8 +142,8 @@ def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0,
                     situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, fuse=fuse_glu)
     y = moe_gmm(h.astype(dt), w["w2"], group_sizes, backend=backend)  # rows past the sum are zero
     # Un-permute as a gather through the inverse of `rows` (pairs without a row read zeros), then
-    # the weighted k-sum. A scatter of y into pair order was a 224 us kernel at 512 tokens on the
-    # H200; with the gather the layer took 6.006 instead of 6.275 ms (results_moe.md run 10).
+    # the weighted k-sum: the gather fuses into the sum, where a scatter of y into pair order
+    # was a kernel of its own.
     pos = jnp.full((N * k,), rows.shape[0], jnp.int32).at[rows].set(
         jnp.arange(rows.shape[0], dtype=jnp.int32))
     yk = jnp.take(y, pos.reshape(N, k), axis=0, mode="fill", fill_value=0)  # [N, k, D]
@@ -225,9 +231,42 @@ def _splitting_mesh():
     return mesh
 
 
+def moe_sharded(cfg, moe_params, x, backend=None, mesh=None):
+    """One MoE layer, tokens x [N, D] -> [N, D] (replicated in and out), per shard on `mesh`
+    (default: the ambient one); traceable inside jit."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    axes = moe_axes(cfg, mesh.shape)
+    specs = moe_param_specs(cfg, moe_params, mesh)
+    f = shard_map(lambda p, x: moe_apply(cfg, p, x, backend, axes), mesh=mesh, in_specs=(specs, P()),
+                  out_specs=P(), check_vma=False)
+    return f(moe_params, x)
+
+
+def moe_layer(cfg, mesh, backend=None):
+    """A jitted f(moe_params, x [N, D]) -> [N, D]: the MoE layer as the model runs it on `mesh`
+    (params placed by `sharding.place_moe_params` with the same cfg)."""
+    moe_axes(cfg, mesh.shape)  # bad placements fail here, not at the first call
+    return jax.jit(lambda moe_params, x: moe_sharded(cfg, moe_params, x, backend, mesh))
+
+
+def moe_layer_tp(cfg, mesh, dedup: bool = True, backend=None):
+    """`moe_layer` with MoE dedup on or off, refusing shapes that would leave a weight unsplit over
+    `tensor` (the experts' intermediate, hidden, the shared experts' intermediate)."""
+    tp = mesh.shape["tensor"]
+    if not cfg.routed_expert_hidden_size:
+        raise ValueError("MoE dedup applies to the latent MoE (routed_expert_hidden_size set)")
+    for name, dim in (("moe_intermediate_size", cfg.moe_intermediate_size),
+                      ("hidden_size", cfg.hidden_size),
+                      ("shared intermediate", cfg.moe_intermediate_size * cfg.num_shared_experts)):
+        group = 32 * tp if cfg.expert_format == "mxfp4" and name == "moe_intermediate_size" else tp
+        if dim % group:
+            raise ValueError(f"{name}={dim} must be divisible by {group} to split over {tp} 'tensor' ranks")
+    return moe_layer(cfg.replace(moe_dedup=dedup), mesh, backend)
+
+
 class MoE(nn.Module):
     """The MoE layer. Under an ambient mesh with a tensor or expert axis > 1 (kimik3's functions
-    set the model's mesh) it runs `moe_apply` per shard in shard_map (sharding/moe.py), with MoE
+    set the model's mesh) it runs `moe_apply` per shard in shard_map (`moe_sharded`), with MoE
     dedup (Config.moe_dedup) and the expert placement the config and mesh select."""
     cfg: object
 
@@ -256,7 +295,5 @@ class MoE(nn.Module):
         if mesh is None:
             out = moe_apply(cfg, p, xf, backend)
         else:
-            from sharding.moe import moe_sharded  # sharding knows the placement rules
-
             out = moe_sharded(cfg, p, xf, backend, mesh)
         return out.reshape(B, T, D)

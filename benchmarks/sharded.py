@@ -2,136 +2,157 @@
 `make_mesh(tensor=n)` mesh; DCPn = the MLA cache positions split over that same tensor axis,
 `dcp_axes=("tensor",)`).
 
-Run (repo root, one call, on a machine with 8, 4 or 2 GPUs; all visible devices are used):
+Run on a machine with 8, 4 or 2 GPUs (all visible devices are used):
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/bench_sharded.py
-
-Smoke run (CPU, 8 fake devices, tiny config, ~40 s on 2 cores; tests/test_bench_sharded.py runs it):
-
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 BENCH_SMOKE=1 PYTHONPATH=. /work/venv/bin/python benchmarks/bench_sharded.py
+    python -m benchmarks sharded [--sections dcp,moe_dedup] [--contexts 32768,131072]
+    python -m benchmarks sharded --smoke     # CPU: 8 fake devices, tiny config (the tests run it)
 
 NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
-NVSHMEM_DISABLE_NVLS=1 are set (setdefault) before JAX is imported.
+NVSHMEM_DISABLE_NVLS=1 are set (setdefault) before JAX starts a backend.
 
 The model: K3's real per-layer shapes (hidden 7168, 96 KDA heads, 96 MLA heads with the 576-wide
 latent cache, dense layer 0 at 33792, latent MoE: 896 MXFP4 experts of 3072 in a 3584 latent, 2
-shared experts, vocab 163840), cut to BENCH_LAYERS layers (default kda,kda,mla as in
-bench_engine.py: a dense KDA layer, a KDA + MoE layer, an MLA + MoE layer); random weights, seed 0.
+shared experts, vocab 163840), cut to --layers layers (default kda,kda,mla as in
+the engine benchmark: a dense KDA layer, a KDA + MoE layer, an MLA + MoE layer); random weights, seed 0.
 About 38 GB of weights in bf16 (the fp32 check: ~19 GB with 64 experts); the one-device
 references of the correctness section hold a whole copy on device 0. Smoke: the tiny preset cut to kda,mla with 8
 KDA / MLA heads and a MoE intermediate of 256 (everything splits 8 ways), fp32.
 
-Sections, in the JSON ($OUT/bench_sharded.json, default ./bench_sharded.json, rewritten after
-every section and every measured row):
+Sections, in the JSON's details (OUT/sharded.json, rewritten after every section and every
+measured row):
   machine      device count, device_kind, platform, jax version, the NCCL variables.
   correctness  (item 1) greedy tokens and logits of one device vs TPn vs TPn + DCPn, 4 prompts of
                different lengths (one shorter than n), prefill + 7 decode steps (kimik3.prefill
                and decode_step; each run feeds its own argmax). Verdict pass ("equal"): fp32
-               compute, the plain-JAX kernels (BENCH_CHECK_BACKEND, default "reference"), matmuls
-               at "highest", 64 of the 896 experts (BENCH_CHECK_EXPERTS; the plain-JAX MoE
+               compute, the plain-JAX kernels (--check-backend, default "reference"), matmuls
+               at "highest", 64 of the 896 experts (--check-experts; the plain-JAX MoE
                dequantises all experts at once: ~40 GB per fp32 weight at 896); equal = identical
                tokens and logits within 1e-3 of the largest |logit| (compared up to a row's first
                differing token). Informational pass (GPU only, run last): the config as timed
                (bf16, 896 experts, default backend: Pallas kernels); bf16 TP sums in another order
                may flip near-tied random-weight greedy tokens.
   owned_rows   (item 4) per-GPU parameter bytes with Config.moe_dedup True and False, from the
-               placed arrays' addressable shards and from sharding.memory_report; the bytes dedup
+               placed arrays' addressable shards and from kimik3.memory_report; the bytes dedup
                frees and what they buy in MLA cache tokens per GPU (freed / cache bytes per token
                per GPU, model dtype and fp8, DCP1 and DCPn); the same arithmetic for the full K3.
-  dcp          (item 2) per context (BENCH_CONTEXTS, default 32K, 64K, 128K) and variant (dcp1 =
-               TPn with the cache replicated, dcpN = TPn + DCPn; BENCH_DCP_REF=1 adds dcp1-ref,
+  dcp          (item 2) per context (--contexts, default 32K, 64K, 128K) and variant (dcp1 =
+               TPn with the cache replicated, dcpN = TPn + DCPn; --dcp-ref adds dcp1-ref,
                dcp1 on the plain-JAX backend): per-GPU MLA cache bytes from the cache arrays'
                addressable shards and from memory_report (model dtype and fp8), per-GPU KDA state
-               bytes (actual and memory_report), and the decode step time at batch BENCH_BATCH:
+               bytes (actual and memory_report), and the decode step time at batch --batch:
                the cache is allocated for ctx + a few steps, filled with random latents and set to
-               length ctx (no prefill), then one jitted lax.fori_loop of BENCH_STEPS greedy decode
+               length ctx (no prefill), then one jitted lax.fori_loop of --steps greedy decode
                steps (tokens fed back on device) is compiled ahead (lower().compile(), compile
-               time reported apart), called once to warm up, then called BENCH_REPS times back to
+               time reported apart), called once to warm up, then called --reps times back to
                back; step time = wall time of those calls up to block_until_ready / (reps *
                steps). The MLA attention that ran is recorded (under DCP: the flash-decoding kernel
                on each shard's positions in shard_map plus a log-sum-exp merge). "summary": per context
                the cache ratio, both step times, the speedup, the time saved per MLA layer.
   moe_dedup    (item 3) one MoE layer (the model's first, weights placed by place_moe_params)
                with Config.moe_dedup True vs False under TPn: per-layer time (a jitted fori_loop
-               of BENCH_STEPS layer calls, output RMS-normalised and fed back, same timing
-               protocol) for BENCH_MOE_TOKENS tokens, and the collectives of one layer
-               (sharding.moe_layer_tp compiled; counts by sharding.moe.count_collectives, and each
+               of --steps layer calls, output RMS-normalised and fed back, same timing
+               protocol) for --moe-tokens tokens, and the collectives of one layer
+               (kimik3.layers.moe.moe_layer_tp compiled; counts by sharding.moe.count_collectives, and each
                op's result type and bytes per device parsed from the same HLO text); then the
-               whole decode step at context BENCH_MOE_CTX with the model placed each way (time,
+               whole decode step at context --moe-ctx with the model placed each way (time,
                and the static collective count of the compiled decode loop: per step while
                hlo_has_while_loop is true).
-  skipped      what the budget (BENCH_BUDGET_S, default 480 s from start) left out.
+  skipped      what the budget (--budget-s) left out.
 Order of work: correctness (verdict), owned_rows, dcp at the first context, moe_dedup, dcp at the
 other contexts (a tight budget drops the longest contexts first), the informational correctness
 pass. A failing measurement is recorded as an "error" entry and the run goes on; where the
 default backend fails on the mesh, the row is retried with backend="reference" and says so.
 
-Knobs (environment): OUT, BENCH_BUDGET_S, BENCH_CONTEXTS, BENCH_BATCH (8), BENCH_STEPS (8),
-BENCH_REPS (3), BENCH_MOE_TOKENS (8,256), BENCH_MOE_CTX (4096), BENCH_LAYERS, BENCH_BACKEND
-(default: the library's, Pallas on GPU), BENCH_CHECK_BACKEND, BENCH_CHECK_EXPERTS, BENCH_DCP_REF,
-BENCH_SMOKE, BENCH_SECTIONS (comma list of correctness, owned_rows, dcp, moe_dedup, timed_check;
-default all: a re-run can skip what an earlier run measured).
 """
 from __future__ import annotations
 
 import os
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-for _k, _v in NCCL_ENV.items():  # before JAX (and NCCL) start
-    os.environ.setdefault(_k, _v)
-if os.environ.get("BENCH_SMOKE") == "1":  # CPU smoke run: cheaper LLVM compiles (its timings mean nothing)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                               " --xla_llvm_disable_expensive_passes=true").strip()
 
-import contextlib  # noqa: E402
-import functools  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
+import contextlib
+import functools
+import gc
+import math
+import re
+import time
+import traceback
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import kimik3  # noqa: E402  (applies its XLA workarounds before JAX starts a client)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import kimik3  # applies its XLA workarounds before JAX starts a client
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import sharding  # noqa: E402
-from kernels_pallas import resolve_backend  # noqa: E402
-from kimik3.layers.common import F32, rms_normalize  # noqa: E402
-from kimik3.layers.mla import CACHE_DIM  # noqa: E402
-from kimik3.runtime import mesh_context  # noqa: E402
-from sharding.moe import count_collectives, per_device_param_bytes  # noqa: E402
+import sharding
+from kernels_pallas import resolve_backend
+from kimik3.layers.common import F32, rms_normalize
+from kimik3.layers.mla import CACHE_DIM
+from kimik3.layers.moe import moe_layer_tp, moe_sharded
+from kimik3.runtime import mesh_context
+from sharding.moe import count_collectives, per_device_param_bytes
+from .common import ints_arg, names_arg
 
-SMOKE = os.environ.get("BENCH_SMOKE") == "1"
-OUT = os.environ.get("OUT") or "."
-BUDGET_S = float(os.environ.get("BENCH_BUDGET_S", "480"))
-
-
-def _ints(name, default):
-    return [int(v) for v in os.environ.get(name, default).split(",") if v.strip()]
-
-
-CONTEXTS = _ints("BENCH_CONTEXTS", "64,128" if SMOKE else "32768,65536,131072")
-BATCH = int(os.environ.get("BENCH_BATCH", "2" if SMOKE else "8"))
-STEPS = int(os.environ.get("BENCH_STEPS", "2" if SMOKE else "8"))
-REPS = int(os.environ.get("BENCH_REPS", "1" if SMOKE else "3"))
-MOE_TOKENS = _ints("BENCH_MOE_TOKENS", "8" if SMOKE else "8,256")
-MOE_CTX = int(os.environ.get("BENCH_MOE_CTX", "64" if SMOKE else "4096"))
-LAYERS = tuple(os.environ.get("BENCH_LAYERS", "kda,mla" if SMOKE else "kda,kda,mla").split(","))
-BACKEND = os.environ.get("BENCH_BACKEND") or None
-CHECK_BACKEND = os.environ.get("BENCH_CHECK_BACKEND", "reference")
-DCP1_REFERENCE = os.environ.get("BENCH_DCP_REF") == "1"  # also time dcp1 with the plain-JAX backend
-SECTIONS = set(os.environ.get("BENCH_SECTIONS", "correctness,owned_rows,dcp,moe_dedup,timed_check").split(","))
+SECTION_NAMES = ("correctness", "owned_rows", "dcp", "moe_dedup", "timed_check")
 CHECK_SEQ, CHECK_NEW, CHECK_TOL = 64, 8, 1e-3
-# The verdict pass's expert count: its plain-JAX MoE dequantises every expert to fp32 at once (896
-# K3 experts: ~40 GB per weight on the one-device reference), so it keeps K3's expert shapes but
-# fewer of them.
-CHECK_EXPERTS = int(os.environ.get("BENCH_CHECK_EXPERTS", "0" if SMOKE else "64")) or None
-SLACK = 64 * math.ceil((REPS + 1) * STEPS / 64)  # cache positions past ctx for the timed steps
+
+
+def add_args(p):
+    p.add_argument("--sections", type=names_arg, default=list(SECTION_NAMES),
+                   help="comma list of " + ", ".join(SECTION_NAMES) + " (a re-run can skip what an earlier run measured)")
+    p.add_argument("--contexts", type=ints_arg, default=None, help="DCP contexts (32768,65536,131072)")
+    p.add_argument("--batch", type=int, default=None, help="decode batch (8)")
+    p.add_argument("--steps", type=int, default=None, help="decode steps or layer calls a timed loop (8)")
+    p.add_argument("--reps", type=int, default=None, help="timed calls after the warm-up (3)")
+    p.add_argument("--moe-tokens", type=ints_arg, default=None, help="MoE layer token counts (8,256)")
+    p.add_argument("--moe-ctx", type=int, default=None, help="context of the dedup decode step (4096)")
+    p.add_argument("--layers", type=names_arg, default=None, help="layer types (kda,kda,mla)")
+    p.add_argument("--backend", default=None, help="kernel backend of the timed runs (default: the library's)")
+    p.add_argument("--check-backend", default="reference", help="backend of the verdict pass")
+    p.add_argument("--check-experts", type=int, default=None,
+                   help="experts in the verdict pass (64; 0: all): its plain-JAX MoE dequantises "
+                        "every expert to fp32 at once, ~40 GB per weight at 896")
+    p.add_argument("--dcp-ref", action="store_true", help="also time dcp1 with the plain-JAX backend")
+
+
+def prepare_env(args):
+    """NVLink multicast off before NCCL starts; on the CPU smoke run 8 devices and cheaper LLVM
+    compiles (its timings mean nothing)."""
+    for k, v in NCCL_ENV.items():
+        os.environ.setdefault(k, v)
+    if args.smoke:
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            flags += " --xla_force_host_platform_device_count=8"
+        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0"
+                                   " --xla_llvm_disable_expensive_passes=true").strip()
+
+
+def configure(args):
+    """The run's settings as module globals (the functions below read them)."""
+    global SMOKE, BUDGET_S, CONTEXTS, BATCH, STEPS, REPS, MOE_TOKENS, MOE_CTX, LAYERS, BACKEND
+    global CHECK_BACKEND, DCP1_REFERENCE, SECTIONS, CHECK_EXPERTS, SLACK, BUDGET
+    SMOKE = args.smoke
+    BUDGET_S = args.budget_s or (math.inf if SMOKE else 480.0)
+    CONTEXTS = args.contexts or ([64, 128] if SMOKE else [32768, 65536, 131072])
+    BATCH = args.batch or (2 if SMOKE else 8)
+    STEPS = args.steps or (2 if SMOKE else 8)
+    REPS = args.reps or (1 if SMOKE else 3)
+    MOE_TOKENS = args.moe_tokens or ([8] if SMOKE else [8, 256])
+    MOE_CTX = args.moe_ctx or (64 if SMOKE else 4096)
+    LAYERS = tuple(args.layers or (["kda", "mla"] if SMOKE else ["kda", "kda", "mla"]))
+    BACKEND = args.backend
+    CHECK_BACKEND = args.check_backend
+    DCP1_REFERENCE = args.dcp_ref
+    SECTIONS = set(args.sections)
+    # the verdict pass keeps K3's expert shapes but fewer of them
+    check = args.check_experts if args.check_experts is not None else (0 if SMOKE else 64)
+    CHECK_EXPERTS = check or None
+    SLACK = 64 * math.ceil((REPS + 1) * STEPS / 64)  # cache positions past ctx for the timed steps
+    BUDGET = Budget(BUDGET_S)
+
+
 FP8 = "float8_e4m3fn"
 
 
@@ -169,18 +190,17 @@ class Budget:
         return False
 
 
-BUDGET = Budget(BUDGET_S)
-RESULTS: dict = {}
+RESULTS: dict = {}   # the record's details
+REC = None           # the run's Record (set by `run`)
 
 
 def save():
     RESULTS["skipped"] = BUDGET.skipped
     RESULTS["elapsed_s"] = round(BUDGET.elapsed(), 1)
-    os.makedirs(OUT, exist_ok=True)
-    path = os.path.join(OUT, "bench_sharded.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
+    if REC is not None:
+        REC.data["details"] = RESULTS
+        REC.data["skipped"] = BUDGET.skipped
+        REC.save()
 
 
 # A CUDA fault (illegal address, ...) poisons the process's GPU context: every later call fails
@@ -414,9 +434,9 @@ def decode_measure(model, mesh, dcp_axes, batch, ctx, want_hlo, backend):
            "mla_attention": mla_path(cfg, backend, dcp_axes),
            "mla_cache_bytes_per_gpu": device_bytes(latents)["max"] if latents else 0,
            "kda_state_bytes_per_gpu": device_bytes(states)["max"] if states else 0}
-    rep = sharding.memory_report(cfg, tensor=n, dcp=dcp, tokens=S, batch=batch)
+    rep = kimik3.memory_report(cfg, tensor=n, dcp=dcp, tokens=S, batch=batch)
     row["memory_report"] = {"mla_cache": rep["mla_cache"], "kda_state": rep["kda_state"],
-                            "mla_cache_fp8": sharding.memory_report(cfg, tensor=n, dcp=dcp, tokens=S, batch=batch,
+                            "mla_cache_fp8": kimik3.memory_report(cfg, tensor=n, dcp=dcp, tokens=S, batch=batch,
                                                                     cache_dtype=FP8)["mla_cache"]}
     tok = replicated(mesh, jnp.zeros((batch,), jnp.int32))
     shardings = jax.tree.map(lambda a: a.sharding, (tok, cache))
@@ -437,9 +457,13 @@ def decode_measure(model, mesh, dcp_axes, batch, ctx, want_hlo, backend):
     return row
 
 
-def measure(fn, *args, backend=BACKEND):
-    """fn(*args, backend) -> a row; where that fails and the backend is not the reference, again
+_RUN_BACKEND = object()  # measure's default: the run's --backend
+
+
+def measure(fn, *args, backend=_RUN_BACKEND):
+    """fn(*args, backend) -> a row (backend: the run's --backend unless given); where that fails and the backend is not the reference, again
     with "reference" (the row says so). A failure is returned as a row with "error"."""
+    backend = BACKEND if backend is _RUN_BACKEND else backend
     rec: dict = {}
     row = guarded(rec, fn, *args, backend)
     if row is None and resolve_backend(backend) != "reference":
@@ -490,7 +514,7 @@ def dcp_context(model, mesh, ctx, sec, est):
 # ---------------------------------------------------------------- 3. MoE dedup
 def _moe_loop(cfg, mesh, steps, backend, p, x):
     def body(_, x):  # one MoE layer; its output, RMS-normalised, is the next input
-        return rms_normalize(sharding.moe_sharded(cfg, p, x, backend, mesh).astype(F32), 1e-6).astype(x.dtype)
+        return rms_normalize(moe_sharded(cfg, p, x, backend, mesh).astype(F32), 1e-6).astype(x.dtype)
 
     return jax.lax.fori_loop(0, steps, body, x)
 
@@ -499,7 +523,7 @@ def moe_layer_measure(cfg, moe_params, mesh, tokens, dedup, backend):
     c = cfg.replace(moe_dedup=dedup)
     placed = sharding.place_moe_params(c, moe_params, mesh)
     x = replicated(mesh, jax.random.normal(jax.random.key(tokens), (tokens, cfg.hidden_size), F32).astype(cfg.jnp_dtype))
-    hlo = sharding.moe_layer_tp(cfg, mesh, dedup=dedup, backend=backend).lower(placed, x).compile().as_text()
+    hlo = moe_layer_tp(cfg, mesh, dedup=dedup, backend=backend).lower(placed, x).compile().as_text()
     loop = jax.jit(functools.partial(_moe_loop, c, mesh, STEPS, backend), out_shardings=x.sharding)
     t0 = time.perf_counter()
     compiled = loop.lower(placed, x).compile()
@@ -555,7 +579,7 @@ def moe_dedup(model, mesh, sec, decode_est):
 def cache_bytes_per_token(cfg, n, dcp, cache_dtype):
     """MLA cache bytes per token per GPU (memory_report over a long context, divided out)."""
     tokens = 1 << 20
-    return sharding.memory_report(cfg, tensor=n, dcp=dcp, tokens=tokens, cache_dtype=cache_dtype)["mla_cache"] / tokens
+    return kimik3.memory_report(cfg, tensor=n, dcp=dcp, tokens=tokens, cache_dtype=cache_dtype)["mla_cache"] / tokens
 
 
 def per_token_bytes(cfg, n):
@@ -573,7 +597,7 @@ def owned_rows(model, mesh, sec):
     other = sharding.place_model(model.replace(cfg=cfg.replace(moe_dedup=not cfg.moe_dedup)), mesh)
     placed = {cfg.moe_dedup: model, not cfg.moe_dedup: other}
     for dedup in (True, False):
-        rep = sharding.memory_report(cfg, tensor=n, dedup=dedup)
+        rep = kimik3.memory_report(cfg, tensor=n, dedup=dedup)
         sec[f"dedup_{dedup}"] = {"param_bytes_per_gpu": device_bytes(placed[dedup].params),
                                  "memory_report_params": rep["params"], "memory_report_dedup_saved": rep["dedup_saved"]}
     del other, placed
@@ -588,7 +612,7 @@ def owned_rows(model, mesh, sec):
     save()
     if not SMOKE:  # the full K3 (93 layers, 24 MLA), by memory_report alone
         k3 = kimik3.Config.preset("kimi-k3")
-        full = {d: sharding.memory_report(k3, tensor=n, dedup=d)["params"] for d in (True, False)}
+        full = {d: kimik3.memory_report(k3, tensor=n, dedup=d)["params"] for d in (True, False)}
         sec["full_k3"] = {"params_per_gpu_dedup": full[True], "params_per_gpu_no_dedup": full[False],
                           "freed_bytes_per_gpu": full[False] - full[True],
                           "mla_tokens_bought_per_gpu": tokens_bought(k3, n, full[False] - full[True])}
@@ -627,14 +651,14 @@ def _decode_line(r):
 
 def table():
     m = RESULTS["machine"]
-    lines = [f"== bench_sharded: {m['device_count']} x {m['device_kind']}, config {RESULTS['config']['name']}, "
+    lines = [f"== sharded: {m['device_count']} x {m['device_kind']}, config {RESULTS['config']['name']}, "
              f"{RESULTS['elapsed_s']}s"]
     c = RESULTS.get("correctness", {})
     v = c.get("verdict_pass", {})
     if "correctness" in SECTIONS:
         lines.append(f"correctness (fp32, {v.get('backend')}): {'EQUAL' if c.get('equal') else 'NOT EQUAL'}  {_pass_line(v)}")
     else:
-        lines.append("correctness: not run (BENCH_SECTIONS)")
+        lines.append("correctness: not run (--sections)")
     if c.get("timed_config_pass"):
         t = c["timed_config_pass"]
         lines.append(f"  timed config ({t['dtype']}, {t['backend']}; informational): {_pass_line(t)}")
@@ -665,6 +689,31 @@ def table():
     return "\n".join(lines)
 
 
+def run(rec, args):
+    global REC
+    REC = rec
+    configure(args)
+    RESULTS.clear()
+    FAULT.clear()
+    main()
+    REC.data["errors"].update({k: v["error"] for k, v in RESULTS.items() if isinstance(v, dict) and "error" in v})
+    table_rows(jax.device_count())
+
+
+def table_rows(n):
+    """BENCHMARKS.md rows: the decode step with DCP against without, and with MoE dedup
+    against without (the peer is the same model on the same mesh without the feature)."""
+    area = f"Decode step, {len(LAYERS)}-layer K3 on {n} GPUs, batch {BATCH}"
+    for ctx, s in sorted(RESULTS.get("dcp", {}).get("summary", {}).items(), key=lambda kv: int(kv[0])):
+        REC.row(area, f"TP{n} + DCP{n} vs TP{n}, ctx {ctx}", s["step_ms_dcpn"], "ms",
+                peer=s["step_ms_dcp1"], peer_name=f"TP{n}",
+                note=f"MLA cache per GPU / {s['mla_cache_per_gpu_dcp1_over_dcpn']:.2f}")
+    rows = {r["dedup"]: r for r in RESULTS.get("moe_dedup", {}).get("decode_rows", []) if "step_ms" in r}
+    if True in rows and False in rows:
+        REC.row(area, f"TP{n}, MoE dedup on vs off, ctx {MOE_CTX}", rows[True]["step_ms"], "ms",
+                peer=rows[False]["step_ms"], peer_name="dedup off")
+
+
 def main():
     devices = jax.devices()
     n = len(devices)
@@ -679,7 +728,7 @@ def main():
                          "expert_format": cfg.expert_format, "vocab_size": cfg.vocab_size, "dtype": cfg.dtype,
                          "mesh": dict(mesh.shape), "batch": BATCH, "steps": STEPS, "reps": REPS,
                          "contexts": CONTEXTS, "budget_s": BUDGET_S}
-    log(f"bench_sharded: {n} x {devices[0].device_kind} ({devices[0].platform}), config {cfg.name}, "
+    log(f"sharded: {n} x {devices[0].device_kind} ({devices[0].platform}), config {cfg.name}, "
         f"budget {BUDGET_S:.0f}s")
     save()
 
@@ -732,5 +781,3 @@ def main():
     log(table())
 
 
-if __name__ == "__main__":
-    main()

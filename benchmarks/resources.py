@@ -8,14 +8,13 @@ are therefore those of upstream Triton 3.6, not of the Triton bundled in jaxlib;
 identical.
 
   python3 -m pip install triton==3.6.0     # CPU machine; no GPU needed
-  PYTHONPATH=. python3 benchmarks/kernel_resources.py [kda] [mla] [--targets sm_90,gfx942,gfx950]
-  PYTHONPATH=. python3 benchmarks/kernel_resources.py kda --sass   # + SASS opcode mix (sm_90)
-  PYTHONPATH=. python3 benchmarks/kernel_resources.py kda --sass --targets sm_90 \
-      --kda-configs "num_warps_inter=2;num_warps_inter=4,block_k_inter=32"   # configs side by side
+  python -m benchmarks resources [kda] [mla] [--targets sm_90,gfx942,gfx950]
+  python -m benchmarks resources kda --sass   # + SASS opcode mix (sm_90)
+  python -m benchmarks resources kda --sass --targets sm_90 \
+      --kda-config num_warps_inter=2 --kda-config num_warps_inter=4,block_k_inter=32
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import re
@@ -81,7 +80,7 @@ def sass_mix(cubin: bytes, loop_trips: int) -> collections.Counter:
     """Opcode counts of a kernel's SASS, each instruction inside a loop (a backward branch's
     span) counted `loop_trips` times: a rough per-warp dynamic count for kernels whose only
     loop is the key-tile loop. Multiplied by the warps it says what a program issues, which
-    is where 4 warps redoing a 16x16 product shows (results_kda.md, 2026-12-01 evening). Loops
+    is where 4 warps redoing a 16x16 product shows. Loops
     the trip count does not describe (the exact path's column loop, wu's second loop) are
     weighted the same: read the counts as a comparison between configs, not a profile."""
     ins, loops = [], []
@@ -115,7 +114,7 @@ def _compile(ttir: str, target: str, num_warps: int, num_stages: int):
     return out
 
 
-KDA_CONFIGS: list[str] = []  # --kda-configs: more chunk configs (config_strings.chunk_config)
+KDA_CONFIGS: list[str] = []  # --kda-config: more chunk configs (config_strings.chunk_config)
 
 
 def kda_kernels():
@@ -163,7 +162,7 @@ def kda_kernels():
     def label(name, cfg):
         two = "offdiag, inverse" if cfg.split_inverse else "inter"
         return f"kda_chunk {name} [diag, {two}, wu, state, out]"
-    from config_strings import chunk_config
+    from .config_strings import chunk_config
     extra = [(label(item, chunk_config(item)), *chunk(chunk_config(item))) for item in KDA_CONFIGS]
     return [(label("default", ChunkConfig()), *chunk(ChunkConfig())), *extra,
             (label("unrolled (before 12-01 pm)", unrolled), *chunk(unrolled)),
@@ -176,7 +175,7 @@ def mla_kernels():
     variants (upcast x dot dtype) at its default blocks (64 keys, 8 warps, 3 stages) and the fp8
     words form's two conversions at its defaults (64 keys, 4 warps, 3 stages); #1 is the split
     merge (merge.py). The words form's kernels hold PTX: compiled for sm_90 only (its ROCm form,
-    "words_int" in jnp, is in results_mla.md, 2026-12-02)."""
+    "words_int" in jnp, is not compiled here)."""
     from kernels_pallas.mla.decode import mla_decode, resolve_config
 
     B, ctx, pages = 16, 32768, 8192
@@ -202,17 +201,18 @@ def mla_kernels():
 GROUPS = {"kda": kda_kernels, "mla": mla_kernels}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("groups", nargs="*", default=list(GROUPS))
+def add_args(ap):
+    ap.add_argument("groups", nargs="*", default=list(GROUPS), help="kernel groups: kda, mla")
     ap.add_argument("--targets", default="sm_90,gfx942,gfx950")
     ap.add_argument("--sass", action="store_true",
                     help="also print each sm_90 kernel's SASS opcode mix (loop bodies weighted "
                          "by the launch's trip count where the group gives one, else once)")
-    ap.add_argument("--kda-configs", default="",
-                    help='more KDA chunk configs, e.g. "num_warps_inter=2;block_k_inter=32"')
-    a = ap.parse_args()
-    KDA_CONFIGS.extend(filter(None, a.kda_configs.split(";")))
+    ap.add_argument("--kda-config", action="append", default=[], metavar="k=v,...",
+                    help="another KDA ChunkConfig, e.g. num_warps_inter=2 (repeatable)")
+
+
+def main(a):
+    KDA_CONFIGS.extend(a.kda_config)
     targets = a.targets.split(",")
     print(f"{'kernel':<58} {'target':<7} {'smem/LDS':>9} {'regs':>5} {'spill':>5}")
     for group in a.groups:
@@ -239,6 +239,3 @@ def main():
                               + " ".join(f"{op}:{mix[op]}" for op in SASS_OPS if mix[op]),
                               flush=True)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,97 +1,57 @@
-"""KDA kernels on the GPU in ONE call: correctness vs the plain-JAX reference, then ours vs FLA's
-chunk_kda / fused_recurrent_kda on identical inputs (agreement + timing), verify timing.
+"""KDA kernels on the GPU in one process: correctness against the plain-JAX reference, then ours
+against FLA's chunk_kda / fused_recurrent_kda on identical inputs (agreement and GPU kernel time
+from the profiler), and the verify kernel's time.
 
-On the device machine (FLA is not installed there; carry its wheel, see ../shared/tools/fla_baseline.py):
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .tools/fla_core-*.whl
-  PYTHONPATH=/tmp/site:. python3 benchmarks/bench_kda.py
-Prints a short table last; full JSON goes to $OUT/bench_kda.json (or ./bench_kda.json).
+    python -m benchmarks kda [--sections correctness,prefill,decode,verify] [--prefill 8x4096x12]
+    python -m benchmarks kda --smoke      # CPU: interpret-mode correctness and verify, tiny shapes
+
+FLA is not on the device machine's image: install its wheel first (`pip install --no-deps
+fla_core-*.whl`). Rows: prefill and decode against FLA (GPU kernel time), verify (no peer).
 """
-import json
-import os
 import sys
 import time
-import traceback
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
-import numpy as np  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from kernels_pallas.kda import (kda_chunk, kda_chunk_reference, kda_decode, kda_gate,  # noqa: E402
-                                kda_recurrent, kda_verify)
-from kernels_pallas.kda.decode import kda_decode_pallas, kda_decode_reference  # noqa: E402
-from config_strings import chunk_config, parse_overrides  # noqa: E402
-from kernel_timer import kernel_times  # noqa: E402
+from kernels_pallas.kda import (kda_chunk, kda_chunk_reference, kda_decode, kda_gate,
+                                kda_verify)
+from kernels_pallas.kda.decode import kda_decode_pallas, kda_decode_reference
+from .common import from_torch, names_arg, rel, shapes_arg, to_torch, wall_ms
+from .config_strings import chunk_config, parse_overrides
+from .kernel_timer import kernel_times
 
-T0 = time.time()
-BUDGET = float(os.environ.get("BENCH_BUDGET_S", "380"))
-OUT = os.environ.get("OUT", ".")
 F32, BF16 = jnp.float32, jnp.bfloat16
-BACKEND = os.environ.get("BENCH_BACKEND", "pallas")  # "interpret": CPU smoke test of this script
-SMOKE = BACKEND == "interpret"
-# BENCH_SECTIONS: comma list of correctness,prefill,decode,verify (default all)
-# BENCH_DECODE_VARIANTS: ';'-separated kda_decode_pallas keyword sets, e.g. "early_state_load=1;num_warps=4",
-# each timed in the device loop at every decode shape and compared with the default's outputs
-SECTIONS = os.environ.get("BENCH_SECTIONS", "correctness,prefill,decode,verify").split(",")
-FULL = "correctness" in SECTIONS
-CHECKS = os.environ.get("BENCH_CHECKS", "chunk,decode").split(",")  # correctness: which kernels
-DECODE_SHAPES = [tuple(int(x) for x in s.split("x")) for s in os.environ.get(
-    "BENCH_DECODE", "256x96,1x12,64x12,256x12,1x96,64x96").split(",")]
-PREFILL_SHAPES = [tuple(int(x) for x in s.split("x")) for s in os.environ.get(
-    "BENCH_PREFILL", "8x4096x12,1x8192x96,1x32768x16").split(",")]
-VERIFY_CFGS = [tuple(int(x) for x in s.split("x")) for s in os.environ.get(
-    "BENCH_VERIFY", "4x1,8x1,8x2,16x2").split(",")]
-RES = {"jax": jax.__version__, "device": str(jax.devices()[0]), "checks": {}, "prefill": {},
-       "decode": {}, "verify": {}, "errors": {}}
-ROWS = []
+SECTIONS = ("correctness", "prefill", "decode", "verify")
+A = None      # the parsed options of this run (set by `run`)
+REC = None    # its Record
 
 
-def left():
-    return BUDGET - (time.time() - T0)
+def add_args(p):
+    p.add_argument("--sections", type=names_arg, default=list(SECTIONS),
+                   help="comma list of " + ", ".join(SECTIONS) + " (run in this order)")
+    p.add_argument("--checks", type=names_arg, default=["chunk", "decode"],
+                   help="correctness: which kernels (chunk, decode)")
+    p.add_argument("--check-cases", type=names_arg, default=None,
+                   help="correctness: indices of the chunk cases to run (compile time)")
+    p.add_argument("--decode", type=shapes_arg, default=shapes_arg("256x96,1x12,64x12,256x12,1x96,64x96"),
+                   help="decode shapes BxH")
+    p.add_argument("--prefill", type=shapes_arg, default=shapes_arg("8x4096x12,1x8192x96,1x32768x16"),
+                   help="prefill shapes BxTxH")
+    p.add_argument("--verify", type=shapes_arg, default=shapes_arg("4x1,8x1,8x2,16x2"),
+                   help="verify launch configs block_v x num_warps")
+    p.add_argument("--chunk-config", action="append", default=[], metavar="k=v,...",
+                   help="a ChunkConfig with these fields replaced, checked and timed beside the "
+                        "default (repeatable)")
+    p.add_argument("--decode-variant", action="append", default=[], metavar="k=v,...",
+                   help="kda_decode_pallas keywords timed beside the default (repeatable)")
+    p.add_argument("--stages", action="store_true",
+                   help="prefill: also time each launch alone by wall clock")
 
 
-def save():
-    with open(os.path.join(OUT, "bench_kda.json"), "w") as fh:
-        json.dump(RES, fh, indent=1, default=str)
-
-
-def rel(a, b):
-    a = jnp.asarray(a, F32)
-    b = jnp.asarray(b, F32)
-    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
-
-
-def tjax(f, *args, n=20, warm_s=0.3):
-    # warm up for warm_s of calls, not two. (Even so, the first prefill timed in a process read
-    # 3.36-3.72 ms at B1 T32768 H16 against 2.03 ms of kernels and a 2.03 ms device span; timed
-    # again later in the same process, 2.04 ms: see `ours_ms_again`.)
-    t = time.perf_counter()
-    while True:
-        jax.block_until_ready(f(*args))
-        if time.perf_counter() - t > warm_s:
-            break
-    t = time.perf_counter()
-    for _ in range(n):
-        r = f(*args)
-    jax.block_until_ready(r)
-    return (time.perf_counter() - t) / n * 1e3  # ms
-
-
-def section(name):
-    def deco(fn):
-        def run(*a, **k):
-            if left() < 20:
-                RES["errors"][name] = "skipped: time budget"
-                return None
-            try:
-                return fn(*a, **k)
-            except Exception:
-                RES["errors"][name] = traceback.format_exc()[-3000:]
-                print(f"[{name}] FAILED\n{RES['errors'][name]}", flush=True)
-            finally:
-                save()
-        return run
-    return deco
+def tjax(f, *args, n=20):
+    """Wall-clock ms per call (the first timing in a process can read high: prefill re-times)."""
+    return wall_ms(f, *args, n=n, reps=1)
 
 
 def make(seed, B, T, H, K, dt, bounded=True, h0=True):
@@ -109,17 +69,15 @@ def make(seed, B, T, H, K, dt, bounded=True, h0=True):
 
 
 # ------------------------------------------------------------------------------------------
-@section("correctness")
 def correctness():
     cases = [  # B, T, H, K, dtype, bounded, safe, lengths
         (2, 1000, 4, 128, BF16, True, False, [1000, 333]),
         (2, 1000, 4, 128, BF16, True, True, [1000, 333]),
         (2, 257, 3, 128, F32, False, False, [257, 65]),
         (1, 4096, 2, 64, BF16, False, False, None),
-    ] if not SMOKE else [(2, 100, 1, 32, BF16, True, True, [100, 33])]
-    pick = os.environ.get("BENCH_CHECK_CASES")  # e.g. "0,2": only these cases (compile time)
-    if pick:
-        cases = [cases[int(i)] for i in pick.split(",")]
+    ] if not A.smoke else [(2, 40, 1, 32, BF16, True, True, [40, 17])]
+    if A.check_cases:
+        cases = [cases[int(i)] for i in A.check_cases]
     ref = jax.jit(kda_chunk_reference, static_argnames=("use_qk_l2norm",))
     cfgs = chunk_configs()
     for (B, T, H, K, dt, bounded, safe, lens) in cases:
@@ -131,34 +89,34 @@ def correctness():
                      use_qk_l2norm=True)
         for ci, cfg in enumerate(cfgs):  # every BENCH_CHUNK_CONFIGS entry (cfg0: the default)
             o, s = kda_chunk(q, k, v, g, beta, initial_state=s0, lengths=L, use_qk_l2norm=True,
-                             safe_gate=safe, backend=BACKEND, config=cfg)
+                             safe_gate=safe, backend=A.backend, config=cfg)
             key = f"chunk B{B} T{T} H{H} K{K} {jnp.dtype(dt).name} {'bounded' if bounded else 'softplus'}{' safe' if safe else ''}{f' cfg{ci}' if ci else ''}"
-            RES["checks"][key] = {"o_rel": rel(o, ro), "state_rel": rel(s, rs),
+            REC.details["checks"][key] = {"o_rel": rel(o, ro), "state_rel": rel(s, rs),
                                   "finite": bool(jnp.isfinite(o.astype(F32)).all())}
-            print(key, RES["checks"][key], flush=True)
-    if "decode" not in CHECKS:
+            print(key, REC.details["checks"][key], flush=True)
+    if "decode" not in A.checks:
         return
     # decode
-    for (B, H, dt, lb) in [(4, 12, BF16, -5.0), (3, 8, BF16, None), (2, 4, F32, None)][:3 - 2 * SMOKE]:
+    for (B, H, dt, lb) in [(4, 12, BF16, -5.0), (3, 8, BF16, None), (2, 4, F32, None)][:3 - 2 * A.smoke]:
         a = decode_inputs(B, H, 128, dt)
         r = jax.jit(kda_decode_reference, static_argnames=("num_heads", "lower_bound"))(
             **a, num_heads=H, lower_bound=lb)
         p = kda_decode(**{n: x.copy() for n, x in a.items()}, num_heads=H, lower_bound=lb,
-                       backend=BACKEND)
+                       backend=A.backend)
         key = f"decode B{B} H{H} {jnp.dtype(dt).name} lb={lb}"
-        RES["checks"][key] = {"o_rel": rel(p[0], r[0]), "conv_rel": rel(p[1], r[1]),
+        REC.details["checks"][key] = {"o_rel": rel(p[0], r[0]), "conv_rel": rel(p[1], r[1]),
                               "state_rel": rel(p[2], r[2])}
-        print(key, RES["checks"][key], flush=True)
+        print(key, REC.details["checks"][key], flush=True)
     # verify
-    for (B, T, H, dt, lens) in [(1, 4, 12, BF16, None), (3, 8, 4, F32, [8, 3, 5])][:2 - SMOKE]:
+    for (B, T, H, dt, lens) in [(1, 4, 12, BF16, None), (3, 8, 4, F32, [8, 3, 5])][:2 - A.smoke]:
         q, k, v, g, beta, s0 = make(5, B, T, H, 128, dt)
         L = None if lens is None else jnp.array(lens, jnp.int32)
-        o, hs = kda_verify(q, k, v, g, beta, s0, lengths=L, use_qk_l2norm=True, backend=BACKEND)
+        o, hs = kda_verify(q, k, v, g, beta, s0, lengths=L, use_qk_l2norm=True, backend=A.backend)
         ro, rhs = kda_verify(q, k, v, g, beta, s0, lengths=L, use_qk_l2norm=True,
                              backend="reference")
         key = f"verify B{B} T{T} H{H} {jnp.dtype(dt).name}"
-        RES["checks"][key] = {"o_rel": rel(o, ro), "states_rel": rel(hs, rhs)}
-        print(key, RES["checks"][key], flush=True)
+        REC.details["checks"][key] = {"o_rel": rel(o, ro), "states_rel": rel(hs, rhs)}
+        print(key, REC.details["checks"][key], flush=True)
 
 
 def decode_inputs(B, H, K, dt, seed=0):
@@ -177,25 +135,6 @@ def decode_inputs(B, H, K, dt, seed=0):
 
 
 # ------------------------------------------------------------------------------------------
-def to_torch(x):
-    import torch
-    jax.block_until_ready(x)
-    try:
-        return torch.utils.dlpack.from_dlpack(x)
-    except Exception:
-        a = np.asarray(x)
-        if x.dtype == BF16:
-            return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16).cuda()
-        return torch.from_numpy(a.copy()).cuda()
-
-
-def from_torch(t):
-    import torch
-    if t.dtype == torch.bfloat16:
-        t = t.float()
-    return jnp.asarray(t.detach().cpu().numpy())
-
-
 def fla():
     import torch  # noqa: F401
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
@@ -225,15 +164,12 @@ def fla_autotuned() -> dict:
 
 
 def chunk_configs():
-    """BENCH_CHUNK_CONFIGS: ';'-separated ChunkConfig overrides, e.g.
-    "block_k_inter=64,num_warps_inter=8;diag_block_k=None" (the default config
-    always runs first, as cfg0; values that are not integers are passed as strings; bool fields
-    take 0/1 or false/true). Every config is checked against the reference (correctness) and
-    timed (prefill)."""
+    """The default ChunkConfig (cfg0), then each --chunk-config ("block_k_inter=64,
+    num_warps_inter=8", "diag_block_k=None"; bool fields take 0/1 or false/true). Every config is
+    checked against the reference (correctness) and timed (prefill)."""
     from kernels_pallas.kda.chunk_pallas import ChunkConfig
-    cfgs = [ChunkConfig()] + [chunk_config(item) for item in
-                              filter(None, os.environ.get("BENCH_CHUNK_CONFIGS", "").split(";"))]
-    RES["chunk_configs"] = [str(c) for c in cfgs]
+    cfgs = [ChunkConfig()] + [chunk_config(item) for item in A.chunk_config]
+    REC.details["chunk_configs"] = [str(c) for c in cfgs]
     return cfgs
 
 
@@ -241,17 +177,16 @@ def stage_times(q, k, v, g, beta, s0, safe, cfg):
     """Each of kda_chunk's launches timed alone on its real inputs (ms)."""
     from kernels_pallas.kda.chunk_pallas import chunk_stages
     stages, _ = chunk_stages(q, k, v, g, beta, initial_state=s0, use_qk_l2norm=True,
-                             safe_gate=safe, config=cfg, interpret=SMOKE)
+                             safe_gate=safe, config=cfg, interpret=A.smoke)
     return {name: tjax(fn, *args, n=10) for name, fn, args in stages}
 
 
-@section("prefill")
 def prefill(shapes):
     chunk_kda, _, do_bench = fla()
     cfgs = chunk_configs()
     for (B, T, H) in shapes:
-        if left() < 60:
-            RES["errors"][f"prefill B{B} T{T} H{H}"] = "skipped: time budget"
+        if REC.left() < 60:
+            REC.data["skipped"].append(f"prefill B{B} T{T} H{H}")
             continue
         K = 128
         q, k, v, g, beta, s0 = make(B * T + H, B, T, H, K, BF16, bounded=True)
@@ -259,14 +194,14 @@ def prefill(shapes):
         outs = {}
         for ci, cfg in enumerate(cfgs):  # every config: total and per-launch times
             f = jax.jit(lambda q, k, v, g, b, s, cfg=cfg: kda_chunk(
-                q, k, v, g, b, initial_state=s, use_qk_l2norm=True, backend=BACKEND, config=cfg))
+                q, k, v, g, b, initial_state=s, use_qk_l2norm=True, backend=A.backend, config=cfg))
             outs["ours", ci] = f(q, k, v, g, beta, s0)
             rec[f"ours_cfg{ci}_ms"] = tjax(f, q, k, v, g, beta, s0, n=20)
-            # each launch alone, wall clock (BENCH_STAGES=0 skips it: the profiler's per-kernel
-            # times below cover the same launches without recompiling each one)
+            # each launch alone, wall clock (--stages; the profiler's per-kernel times below
+            # cover the same launches without recompiling each one)
             rec[f"ours_cfg{ci}_stages_ms"] = (stage_times(q, k, v, g, beta, s0, False, cfg)
-                                              if os.environ.get("BENCH_STAGES", "1") != "0" else None)
-            kt = None if SMOKE else kernel_times(f, q, k, v, g, beta, s0, reps=5)
+                                              if A.stages else None)
+            kt = None if A.smoke else kernel_times(f, q, k, v, g, beta, s0, reps=5)
             rec[f"ours_cfg{ci}_kernel_ms"] = kt and kt["total_us"] / 1e3  # GPU kernels (profiler)
             rec[f"ours_cfg{ci}_span_ms"] = kt and kt["span_us"] / 1e3  # first kernel start to last end
             rec[f"ours_cfg{ci}_kernels_ms"] = kt and {n_: t / 1e3 for n_, t in kt["by_kernel"].items()}
@@ -277,13 +212,13 @@ def prefill(shapes):
         rec["ours_kernel_ms"] = rec[f"ours_cfg{best}_kernel_ms"]
         rec["ours_kernels_ms"] = rec[f"ours_cfg{best}_kernels_ms"]
         f = jax.jit(lambda q, k, v, g, b, s, cfg=cfgs[best]: kda_chunk(
-            q, k, v, g, b, initial_state=s, use_qk_l2norm=True, safe_gate=True, backend=BACKEND,
+            q, k, v, g, b, initial_state=s, use_qk_l2norm=True, safe_gate=True, backend=A.backend,
             config=cfg))
         outs["ours_safe", best] = f(q, k, v, g, beta, s0)
         rec["ours_safe_ms"] = tjax(f, q, k, v, g, beta, s0, n=20)
         # the best config's wall clock again, after the safe-gate run (order effects)
         f0 = jax.jit(lambda q, k, v, g, b, s, cfg=cfgs[best]: kda_chunk(
-            q, k, v, g, b, initial_state=s, use_qk_l2norm=True, backend=BACKEND, config=cfg))
+            q, k, v, g, b, initial_state=s, use_qk_l2norm=True, backend=A.backend, config=cfg))
         rec["ours_ms_again"] = tjax(f0, q, k, v, g, beta, s0, n=20)
         tq, tk, tv, tg, tb, ts = map(to_torch, (q, k, v, g, beta, s0))
         ts = ts.clone()
@@ -305,19 +240,10 @@ def prefill(shapes):
                 rec["fla_kernel_ms"] = kt and kt["total_us"] / 1e3
                 rec["fla_kernels_ms"] = kt and {n_: t / 1e3 for n_, t in kt["by_kernel"].items()}
         rec["fla_autotuned"] = fla_autotuned()
-        RES["prefill"][f"B{B} T{T} H{H}"] = rec
-        print(f"prefill B{B} T{T} H{H}", rec, flush=True)
-        # the wall clock of the later timing: the first one in a process can read high (tjax)
-        ROWS.append((f"prefill B{B} T{T} H{H} (gate checked per block vs FLA default; re-timed)",
-                     rec["ours_ms_again"], rec["fla_ms"], "ms"))
-        ROWS.append((f"prefill B{B} T{T} H{H} (safe_gate both)", rec["ours_safe_ms"], rec["fla_safe_ms"], "ms"))
-        if rec.get("ours_kernel_ms") and rec.get("fla_kernel_ms"):
-            ROWS.append((f"prefill B{B} T{T} H{H} GPU kernel time (profiler)",
-                         rec["ours_kernel_ms"], rec["fla_kernel_ms"], "ms"))
-            for ci in range(len(cfgs) if len(cfgs) > 1 else 0):  # configs side by side
-                ROWS.append((f"prefill B{B} T{T} H{H} GPU kernel time, cfg{ci}",
-                             rec[f"ours_cfg{ci}_kernel_ms"], rec["fla_kernel_ms"], "ms"))
-        save()
+        REC.details.setdefault("prefill", {})[f"B{B} T{T} H{H}"] = rec
+        REC.log(f"prefill B{B} T{T} H{H}", rec)
+        REC.row("KDA prefill (GPU kernel time)", f"B{B} T{T} H{H}", rec["ours_kernel_ms"], "ms",
+                peer=rec["fla_kernel_ms"], peer_name="FLA chunk_kda")
 
 
 def decode_loop_us(a, H, n, **kernel_kw):
@@ -335,13 +261,12 @@ def decode_loop_us(a, H, n, **kernel_kw):
     return (time.perf_counter() - t) / n * 1e6
 
 
-@section("decode")
 def decode(shapes):
     _, fused_recurrent_kda, do_bench = fla()
     import torch
     for (B, H) in shapes:
-        if left() < 25:
-            RES["errors"][f"decode B{B} H{H}"] = "skipped: time budget"
+        if REC.left() < 25:
+            REC.data["skipped"].append(f"decode B{B} H{H}")
             continue
         K = 128
         a = decode_inputs(B, H, K, BF16, seed=B + H)
@@ -365,7 +290,7 @@ def decode(shapes):
         kt_ours = kernel_times(jax.jit(f), cur, reps=20)
 
         # agreement: FLA's recurrence on the same post-conv / gated inputs, then the same norm
-        if FULL:
+        if "correctness" in A.sections:
             ref_o, _, ref_s = jax.jit(kda_decode_reference,
                                       static_argnames=("num_heads", "lower_bound"))(
                 **a, num_heads=H, lower_bound=-5.0)
@@ -406,13 +331,13 @@ def decode(shapes):
             torch.cuda.synchronize()
             us_fla_graph = e0.elapsed_time(e1) / 100 * 1e3
         except Exception as e:
-            RES["errors"][f"fla graph B{B} H{H}"] = repr(e)[:300]
+            REC.data["errors"][f"fla graph B{B} H{H}"] = repr(e)[:300]
         fo = fo.reshape(B, H, K)
         fo = fo * jax.lax.rsqrt(jnp.mean(fo * fo, -1, keepdims=True) + 1e-5) * a["o_norm_w"]
         fo = (fo * jax.nn.sigmoid(a["gate"].astype(F32).reshape(B, H, K))).reshape(B, P)
         state_bytes = 2 * B * H * K * K * 4
         variants = {}
-        for item in filter(None, os.environ.get("BENCH_DECODE_VARIANTS", "").split(";")):
+        for item in A.decode_variant:
             kw = parse_overrides(item)
             us_v = decode_loop_us(a, H, n, **kw)
             vo, _, vs = kda_decode_pallas(**{n_: x.copy() for n_, x in a.items()}, num_heads=H,
@@ -423,11 +348,6 @@ def decode(shapes):
                               "kernel_us": kt_v and sum(t for n_, t in kt_v["by_kernel"].items()
                                                         if n_.startswith("kda_decode")),
                               "vs_default": {"o_rel": rel(vo, o1), "state_rel": rel(vs, s1)}}
-            if kt_v and kt_fla:
-                ROWS.append((f"decode B{B} H{H} GPU kernel time, variant {item}",
-                             variants[item]["kernel_us"], kt_fla["total_us"], "us"))
-            ROWS.append((f"decode B{B} H{H} device, variant {item} (vs FLA graph)", us_v,
-                         us_fla_graph if us_fla_graph else float("nan"), "us"))
         rec = {"ours_us_per_call": us_call, "ours_us_device_loop": us_dev, "fla_us": us_fla,
                "fla_us_cuda_graph": us_fla_graph,
                # the decode kernel alone: jit(f) without donation adds a copy of the state
@@ -438,29 +358,23 @@ def decode(shapes):
                "fla_kernels": kt_fla and kt_fla["by_kernel"],
                "ours_state_TBps_device": state_bytes / (us_dev * 1e-6) / 1e12,
                "agree_fla": {"o_rel": rel(o1, fo), "state_rel": rel(s1, fs)}, "variants": variants}
-        if FULL:
+        if "correctness" in A.sections:
             rec["vs_reference"] = {"o_rel": rel(o1, ref_o), "state_rel": rel(s1, ref_s)}
-        RES["decode"][f"B{B} H{H}"] = rec
-        save()  # partial results survive a kill
-        print(f"decode B{B} H{H}", rec, flush=True)
-        ROWS.append((f"decode B{B} H{H} per call (ours fused vs FLA recurrence only)", us_call,
-                     us_fla, "us"))
-        ROWS.append((f"decode B{B} H{H} device (ours loop vs FLA graph)", us_dev,
-                     us_fla_graph if us_fla_graph else float("nan"), "us"))
-        if kt_ours and kt_fla:
-            ROWS.append((f"decode B{B} H{H} GPU kernel time (profiler)", rec["ours_kernel_us"],
-                         kt_fla["total_us"], "us"))
+        REC.details.setdefault("decode", {})[f"B{B} H{H}"] = rec
+        REC.log(f"decode B{B} H{H}", rec)
+        # ours: conv + norms + gates + state + gated norm in one launch; FLA: the recurrence
+        REC.row("KDA decode (GPU kernel time)", f"B{B} H{H}", rec["ours_kernel_us"], "us",
+                peer=rec["fla_kernel_us"], peer_name="FLA fused_recurrent_kda")
 
 
-@section("verify")
 def verify():
     B, T, H, K = 1, 4, 12, 128
     q, k, v, g, beta, s0 = make(9, B, T, H, K, BF16)
     rec = {}
-    n = 100
-    for bv, nw in VERIFY_CFGS if not SMOKE else [(8, 2)]:
+    n = 2 if A.smoke else 100
+    for bv, nw in A.verify if not A.smoke else [(8, 2)]:
         if True:
-            f = lambda s: kda_verify(q, k, v, g, beta, s, use_qk_l2norm=True, backend=BACKEND,
+            f = lambda s: kda_verify(q, k, v, g, beta, s, use_qk_l2norm=True, backend=A.backend,
                                      block_v=bv, num_warps=nw)
 
             @jax.jit
@@ -472,42 +386,28 @@ def verify():
             t = time.perf_counter()
             jax.block_until_ready(loop(s0))
             rec[f"bv{bv} w{nw} us_device"] = (time.perf_counter() - t) / n * 1e6
-            rec[f"bv{bv} w{nw} us_call"] = tjax(jax.jit(f), s0, n=50) * 1e3
-            kt = None if SMOKE else kernel_times(jax.jit(f), s0, reps=20)
+            rec[f"bv{bv} w{nw} us_call"] = tjax(jax.jit(f), s0, n=2 if A.smoke else 50) * 1e3
+            kt = None if A.smoke else kernel_times(jax.jit(f), s0, reps=20)
             if kt is not None:     # GPU time of one verify call, no loop or host in it
                 rec[f"bv{bv} w{nw} us_kernel"] = kt["total_us"]
                 rec[f"bv{bv} w{nw} kernels"] = kt["by_kernel"]
-    RES["verify"]["B1 H12 T4"] = rec
-    best = min((v_, k_) for k_, v_ in rec.items() if k_.endswith("device"))
-    print("verify", rec, flush=True)
-    ROWS.append((f"verify B1 H12 T4 device ({best[1]}; target < 10 us)", best[0], float("nan"), "us"))
-    kern = [(v_, k_) for k_, v_ in rec.items() if k_.endswith("us_kernel")]
-    if kern:
-        best = min(kern)
-        ROWS.append((f"verify B1 H12 T4 GPU kernel time ({best[1]}; target < 10 us)", best[0],
-                     float("nan"), "us"))
+    REC.details["verify"] = {"B1 H12 T4": rec}
+    REC.log("verify", rec)
+    key = "bv8 w2 " + ("us_device" if A.smoke else "us_kernel")  # the kernel's default launch
+    if key in rec:
+        REC.row("KDA verify (GPU kernel time)", "B1 H12 T4", rec[key], "us", note="target < 10 us")
 
 
-if __name__ == "__main__":
-    print(RES["device"], flush=True)
-    if SMOKE:
-        if "correctness" in SECTIONS:
-            correctness()
-        verify()
-        print(ROWS, RES["errors"])
-        sys.exit(0)
-    # sections run in the order BENCH_SECTIONS lists them
-    runners = {"correctness": correctness, "verify": verify, "decode": lambda: decode(DECODE_SHAPES),
-               "prefill": lambda: prefill(PREFILL_SHAPES)}
-    for name in SECTIONS:
-        runners[name]()
-        print(f"[{time.time() - T0:.0f}s] {name} done", flush=True)
-    save()
-    print(f"\n[{time.time() - T0:.0f}s] KDA on {RES['device']}")
-    print(f"{'case':<66} {'ours':>9} {'FLA':>9} {'FLA/ours':>8}")
-    for name, ours, peer, unit in ROWS:
-        print(f"{name:<66} {ours:>7.3f}{unit} {peer:>7.3f}{unit} {peer / ours:>8.2f}")
-    for kk, vv in RES["checks"].items():
-        print("check", kk, {a: (round(b, 6) if isinstance(b, float) else b) for a, b in vv.items()})
-    for kk, vv in RES["errors"].items():
-        print("ERROR", kk, str(vv).splitlines()[-1] if vv else "")
+def run(rec, args):
+    """The sections `args.sections` names, in that order; smoke: correctness and verify only
+    (no FLA, no profiler)."""
+    global A, REC
+    A, REC = args, rec
+    A.backend = "interpret" if A.smoke else "pallas"
+    REC.details["checks"] = {}
+    runners = {"correctness": correctness, "verify": verify, "decode": lambda: decode(A.decode),
+               "prefill": lambda: prefill(A.prefill)}
+    for name in A.sections:
+        if A.smoke and name not in ("correctness", "verify"):
+            continue
+        REC.guard(name, runners[name])

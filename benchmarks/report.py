@@ -1,0 +1,110 @@
+"""BENCHMARKS.md from the benchmarks' JSON results: one table per area.
+
+    python -m benchmarks report                 # write BENCHMARKS.md from benchmarks/results/
+    python -m benchmarks report --check         # exit 1 if BENCHMARKS.md is not what it renders
+    python -m benchmarks report --results DIR --output FILE
+
+Each results file is one benchmark's latest run (what `python -m benchmarks <name>` writes):
+date, device, commit and command, and its rows. A row may carry its own date / device / commit
+/ command where it comes from another run than the file's.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+OUTPUT = os.path.join(os.path.dirname(HERE), "BENCHMARKS.md")
+ORDER = ["kda", "mla", "mla-prefill", "moe", "engine", "sharded"]  # others follow by name
+TIME_UNITS = ("ns", "us", "ms", "s")
+
+PREAMBLE = """# Benchmarks
+
+Made by `python -m benchmarks report` from `benchmarks/results/*.json`, each benchmark's latest
+run (`python -m benchmarks <name>` writes it); history is in git. Peers ran in the same process on
+identical inputs. **ratio**: times faster than the peer. **% of limit**: of the copy bandwidth
+(read + write) or the bf16 matmul peak measured in the same run. **commit**: the code measured,
+or for rows from before this format the commit that recorded them. Nothing was measured on AMD.
+"""
+
+
+def load(results_dir: str) -> list[dict]:
+    files = sorted(glob.glob(os.path.join(results_dir, "*.json")))
+    runs = [json.load(open(f)) for f in files]
+    rank = {name: i for i, name in enumerate(ORDER)}
+    return sorted(runs, key=lambda r: (rank.get(r["benchmark"], len(ORDER)), r["benchmark"]))
+
+
+def _num(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1f}" if abs(v) >= 100 else f"{v:.2f}" if abs(v) >= 10 else f"{v:.3f}" if abs(v) >= 1 else f"{v:.4g}"
+
+
+def ratio(row: dict) -> float | None:
+    """How many times faster ours is than the peer (time units: peer / ours; rates: ours / peer)."""
+    if row["peer"] is None or row["ours"] is None or not row["peer"] or not row["ours"]:
+        return None
+    return row["peer"] / row["ours"] if row["unit"] in TIME_UNITS else row["ours"] / row["peer"]
+
+
+def render(runs: list[dict]) -> str:
+    areas: dict[str, list[tuple[dict, dict]]] = {}
+    for run in runs:
+        for row in run["rows"]:
+            areas.setdefault(row["area"], []).append((run, row))
+    out = [PREAMBLE]
+    for area, rows in areas.items():
+        peers = {r["peer_name"] for _, r in rows if r["peer"] is not None}
+        one_peer = peers.pop() if len(peers) == 1 else None
+        out.append(f"## {area}" + (f" vs {one_peer}" if one_peer else "") + "\n")
+        out.append("| shape | ours | peer | ratio | % of limit | date | device | commit | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        commands: list[str] = []
+        for run, r in rows:
+            meta = {k: r.get(k) or run[k] for k in ("date", "device", "commit", "command")}
+            if meta["command"] not in commands:
+                commands.append(meta["command"])
+            unit = r["unit"]
+            peer = "-" if r["peer"] is None else f"{_num(r['peer'])} {unit}" + (
+                "" if one_peer else f", {r['peer_name']}")
+            x = ratio(r)
+            limit = " ".join(filter(None, ["" if r["limit_pct"] is None else f"{r['limit_pct']:.1f}%",
+                                           r.get("note", "")])) or "-"
+            ours = "-" if r["ours"] is None else f"{_num(r['ours'])} {unit}"
+            out.append(f"| {r['shape']} | {ours} | {peer} | "
+                       f"{'-' if x is None else f'{x:.2f}x'} | {limit} | {meta['date']} | "
+                       f"{meta['device']} | {meta['commit']} | ({commands.index(meta['command']) + 1}) |")
+        out.append("")
+        out += [f"({i + 1}) `{c}`  " for i, c in enumerate(commands)]
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def add_args(p):
+    p.add_argument("--results", default=RESULTS, help="directory of <benchmark>.json files")
+    p.add_argument("--output", default=OUTPUT, help="the Markdown file to write")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 if the output file differs from the rendering")
+
+
+def main(args) -> int:
+    text = render(load(args.results))
+    if args.check:
+        current = open(args.output).read() if os.path.exists(args.output) else ""
+        if current != text:
+            print(f"{args.output} is not what `python -m benchmarks report` renders from "
+                  f"{args.results}: run it and commit the result", file=sys.stderr)
+            return 1
+        return 0
+    with open(args.output, "w") as fh:
+        fh.write(text)
+    print(f"wrote {args.output} ({len(text)} bytes, {len(runs_rows(args.results))} rows)")
+    return 0
+
+
+def runs_rows(results_dir: str) -> list[dict]:
+    return [row for run in load(results_dir) for row in run["rows"]]
