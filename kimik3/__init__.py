@@ -13,12 +13,12 @@ from .calibration import calibrate_mla_cache_scale
 from .config import Config, ConfigError, PRESETS
 from .generation import generate
 from .model import Cache, KimiLM, Model, init_cache
-from .io import load, save
+from .io import SHIPPED_MODELS, load, save
 from .params import abstract, init, param_count
 from .runtime import decode_step, extend, forward, prefill
 from .sampling import sample
 from .tokenizer import ByteTokenizer, KimiTokenizer, Tokenizer, default_tokenizer, load_tokenizer
 
 __all__ = ["calibrate_mla_cache_scale", "Config", "ConfigError", "PRESETS", "generate", "Cache", "KimiLM", "Model", "init_cache",
-           "load", "save", "abstract", "init", "param_count", "decode_step", "extend", "forward", "prefill", "sample",
+           "SHIPPED_MODELS", "load", "save", "abstract", "init", "param_count", "decode_step", "extend", "forward", "prefill", "sample",
            "ByteTokenizer", "KimiTokenizer", "Tokenizer", "default_tokenizer", "load_tokenizer"]

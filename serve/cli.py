@@ -1,4 +1,4 @@
-"""Command line: `kimik3 generate --model tiny --prompt "..."`, `kimik3 batch ...`.
+"""Command line: `kimik3 generate --prompt "..."` (the shipped trained tiny-code model), `kimik3 batch ...`.
 
 It lives in serve/ (the top layer) because its subcommands drive the engine; kimik3 never imports serve."""
 from __future__ import annotations
@@ -8,16 +8,19 @@ import os
 import sys
 import time
 
+DEFAULT_MODEL = "tiny-code"  # shipped in the package (kimik3.SHIPPED_MODELS): trained, loads offline
+
 
 def _load(args):
-    """(model, tokenizer, where the weights came from) for a preset name or a checkpoint dir."""
+    """(model, tokenizer, where the weights came from) for a preset name, a shipped model's name
+    or a checkpoint dir."""
     import kimik3
 
-    if os.path.isdir(args.model):
+    if os.path.isdir(args.model) or args.model in kimik3.SHIPPED_MODELS:
         model = _with_mla_cache(kimik3.load(args.model, mxfp4_layout=args.mxfp4_layout), args)
         has_bpe = os.path.exists(os.path.join(args.model, "tiktoken.model"))
         tok = kimik3.load_tokenizer(args.model) if has_bpe else kimik3.default_tokenizer(model.cfg)
-        return model, tok, args.model
+        return model, tok, kimik3.SHIPPED_MODELS.get(args.model, args.model)
     if args.mxfp4_layout not in (None, "k3"):
         raise ValueError("--mxfp4-layout applies to checkpoint directories (a preset's random weights "
                          "are built in the K3 layout)")
@@ -108,9 +111,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 / Kimi Linear inference in JAX")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate a continuation of one prompt")
-    g.add_argument("--model", default="tiny",
-                   help="a preset (tiny, tiny-linear, kimi-linear-48b, kimi-k3: random weights) or a checkpoint "
-                        "directory (HF safetensors or kimik3.save)")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="tiny-code (default: the shipped trained byte-level model), a preset (tiny, tiny-linear, "
+                        "kimi-linear-48b, kimi-k3: random weights) or a checkpoint directory (HF safetensors or "
+                        "kimik3.save)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--mxfp4-layout", choices=("k3", "paired"), default=None,
                    help="MXFP4 experts' byte layout in memory: paired = re-encoded at load for the faster "
