@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import stdlib_corpus
+from .checkpoint.hf import _get, _set
 from .checkpoint.hf_export import export_hf
 from .config import Config
 from .layers.moe import route
@@ -111,34 +112,20 @@ def export_model(params, cfg: Config) -> Model:
     """The trained fp32 tree in the shipped format: `cfg`'s storage dtypes, MXFP4 experts."""
     from kernels_pallas.moe import mxfp4
 
-    target = abstract(cfg)
-    out = {}
-
-    def put(path, leaf, tree):
-        keys = [p.key for p in path]
-        node = tree
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = leaf
-
     host = jax.tree.map(np.asarray, params)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-        keys = [p.key for p in path]
-        name = keys[-1]
-        if keys[-2] == "experts" and name.endswith(("_packed", "_scale")):
-            w, kind = name.split("_")
-            dense = host
-            for k in keys[:-1]:
-                dense = dense[k]
-            packed, scales = mxfp4.quantize(np.swapaxes(dense[w], -1, -2))  # [E, out, in]: along in
+    out: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract(cfg))[0]:
+        keys = tuple(p.key for p in path)
+        if keys[-2] == "experts" and keys[-1].endswith(("_packed", "_scale")):
+            w, kind = keys[-1].split("_")
+            dense = _get(host, keys[:-1] + (w,))
+            packed, scales = mxfp4.quantize(np.swapaxes(dense, -1, -2))  # [E, out, in]: along in
             value = packed if kind == "packed" else scales
         else:
-            value = host
-            for k in keys:
-                value = value[k]
+            value = _get(host, keys).astype(leaf.dtype)
         if value.shape != leaf.shape:
             raise ValueError(f"{'/'.join(keys)}: trained {value.shape}, preset {leaf.shape}")
-        put(path, jnp.asarray(value.astype(leaf.dtype) if leaf.dtype != np.uint8 else value), out)
+        _set(out, keys, jnp.asarray(value))
     return Model(params=out, cfg=cfg)
 
 

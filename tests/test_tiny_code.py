@@ -2,6 +2,7 @@
 Pallas-interpret vs reference on it, printable greedy text, the CLI's default model."""
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -74,3 +75,26 @@ def test_cli_default_model_is_tiny_code(model, capsys):
     assert out.startswith("model tiny-code (") and kimik3.SHIPPED_MODELS["tiny-code"] in out
     expected = kimik3.default_tokenizer(model.cfg).decode(kimik3.generate(model, [PROMPT], max_new_tokens=NEW_TOKENS)[0])
     assert f"text:   {expected!r}" in out
+
+
+def _dequantised(tree):
+    """The tree with MXFP4 experts as dense fp32 [E, in, out] (the trainer's format)."""
+    from kernels_pallas.moe import mxfp4
+
+    if "w1_packed" in tree:
+        return {w: np.swapaxes(np.asarray(mxfp4.dequantize(tree[f"{w}_packed"], tree[f"{w}_scale"], np.float32)), -1, -2)
+                for w in ("w1", "w2", "w3")}
+    return {k: _dequantised(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}
+
+
+def test_export_reproduces_the_shipped_numbers(model):
+    # The trainer's export (bf16 storage, MXFP4 round to nearest) of the shipped model's own values,
+    # as the trainer holds them, gives back exactly those values.
+    from kimik3.train_tiny import export_model
+
+    before = _dequantised(model.params)
+    after = _dequantised(export_model(before, kimik3.Config.preset("tiny-code")).params)
+    flat_b, flat_a = (jax.tree_util.tree_leaves_with_path(t) for t in (before, after))
+    assert [p for p, _ in flat_b] == [p for p, _ in flat_a]
+    bad = [p for (p, b), (_, a) in zip(flat_b, flat_a) if not np.array_equal(np.asarray(a, np.float32), b)]
+    assert not bad, bad[:3]
