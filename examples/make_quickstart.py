@@ -5,38 +5,54 @@ import os
 import nbformat as nbf
 
 cells = [
-    ("md", "# kimik3 quickstart\nLoad the tiny model, generate, look inside one layer's KDA state and MLA cache, "
-           "switch kernel backends, and time a decode step. Runs on CPU."),
-    ("code", "import time\nimport numpy as np\nimport jax, jax.numpy as jnp\nimport kimik3\n"
-             "cfg = kimik3.Config.preset('tiny')\nmodel = kimik3.init(cfg, seed=0)\n"
-             "print(cfg.layer_types, kimik3.param_count(cfg))"),
+    ("md", "# kimik3 quickstart\nLoad the shipped trained tiny model (`tiny-code`: K3's architecture at a few "
+           "million parameters, byte-level, trained on the Python standard library's source), generate, measure "
+           "its loss along a held-out file, look inside one layer's KDA state and MLA cache, compare the Pallas "
+           "kernels (interpreted) with the plain-JAX reference, and time a decode step. Runs on CPU."),
+    ("code", "import time\nimport numpy as np\nimport jax, jax.numpy as jnp\nimport matplotlib.pyplot as plt\n"
+             "import kimik3\nfrom kimik3 import stdlib_corpus\n"
+             "model = kimik3.load('tiny-code')   # an HF directory in the package: bf16 weights, MXFP4 experts\n"
+             "cfg = model.cfg\nprint(cfg.layer_types, kimik3.param_count(cfg))"),
     ("md", "## Generate\nGreedy by default; `temperature`, `top_k`, `top_p` and `seed` for sampling."),
     ("code", "tok = kimik3.default_tokenizer(cfg)\n"
-             "out = kimik3.generate(model, ['Hello, Kimi', 'AttnRes'], max_new_tokens=12)\n"
-             "for o in out:\n    print(o, repr(tok.decode(o)))\n"
-             "sampled = kimik3.generate(model, ['Hello, Kimi'], max_new_tokens=12, temperature=0.8, top_p=0.9, seed=1)\n"
-             "print(sampled)"),
+             "prompt = 'import os\\nimport sys\\n\\n\\ndef main():\\n'\n"
+             "out = kimik3.generate(model, [prompt], max_new_tokens=40)[0]\n"
+             "print(prompt + tok.decode(out))\n"
+             "sampled = kimik3.generate(model, [prompt], max_new_tokens=40, temperature=0.8, top_p=0.9, seed=1)[0]\n"
+             "print(prompt + tok.decode(sampled))"),
+    ("md", "## Loss along a held-out file\nFiles whose path hashes to 0 mod 20 were never trained on "
+           "(`kimik3/stdlib_corpus.py`). Bits spent on each byte of the first 512 bytes of one:"),
+    ("code", "window = stdlib_corpus.heldout_sample(window=512, max_windows=1)\n"
+             "inputs = np.concatenate([[[cfg.bos_token_id]], window[:, :-1]], axis=1)\n"
+             "bits = stdlib_corpus.byte_nll(kimik3.forward(model, inputs), window)[0]\n"
+             "print(f'{bits.mean():.3f} bits per byte (8 for a model that knows nothing)')\n"
+             "fig, ax = plt.subplots(figsize=(12, 3))\nax.plot(bits, lw=0.8)\n"
+             "ax.set_xlabel('byte'); ax.set_ylabel('bits'); ax.set_title('per-byte loss, held-out file')\nplt.show()\n"
+             "text = bytes(window[0].astype(np.uint8)).decode('utf-8', 'replace')\n"
+             "worst = np.argsort(bits)[-5:]\n"
+             "print('most surprising bytes:', [(int(i), text[max(0, i - 12):i + 1]) for i in sorted(worst)])"),
     ("md", "## Inside the cache\nPrefill fills every layer's cache entry: KDA layers keep an fp32 state "
            "[B, H, K, V] and a conv state; MLA layers keep the latent (kv_lora_rank) + shared key (rope) per token."),
-    ("code", "prompt = tok.encode('The cache holds', add_bos=True)\n"
-             "last, cache = kimik3.prefill(model, [prompt], max_seq_len=64)\n"
+    ("code", "ids = tok.encode(prompt, add_bos=True)\n"
+             "last, cache = kimik3.prefill(model, [ids], max_seq_len=64)\n"
              "kda_layer = cfg.kda_layers[0]; mla_layer = cfg.mla_layers[0]\n"
              "state = cache.layers[kda_layer]['state']\n"
              "latent = cache.layers[mla_layer]['latent']\n"
              "print('KDA state', state.shape, state.dtype, 'norm per head', jnp.linalg.norm(state[0], axis=(-2, -1)))\n"
              "print('MLA cache', latent.shape, 'rows written', int(cache.lengths[0]),\n"
-             "      'nonzero rows', int((jnp.abs(latent[0]).sum(-1) > 0).sum()))"),
+             "      'nonzero rows', int((jnp.abs(latent[0]).sum(-1) > 0).sum()))\n"
+             "fig, axes = plt.subplots(1, 2, figsize=(12, 3))\n"
+             "axes[0].imshow(np.asarray(state[0, 0]), cmap='RdBu'); axes[0].set_title(f'KDA state, layer {kda_layer}, head 0')\n"
+             "axes[1].imshow(np.asarray(latent[0, :len(ids)]).T, aspect='auto', cmap='RdBu')\n"
+             "axes[1].set_title(f'MLA cache, layer {mla_layer}: one column per token'); plt.show()"),
     ("md", "## Backends\nEvery kernel entry point takes `backend=`: `reference` (plain JAX), `pallas` (GPU, Triton "
-           "lowering) or `interpret` (the Pallas kernel run by the interpreter on CPU). Compare the chunked KDA "
-           "kernel against the reference on the layer's real inputs shape."),
-    ("code", "import kernels_pallas as kp\n"
-             "ks = jax.random.split(jax.random.key(0), 5)\nB, T, H, K = 1, 80, 2, 32\n"
-             "q, k, v = (jax.random.normal(ks[i], (B, T, H, K)) for i in range(3))\n"
-             "g = kp.kda_gate(jax.random.normal(ks[3], (B, T, H, K)), jnp.zeros(H), jnp.zeros(H * K), lower_bound=-5.0)\n"
-             "beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))\n"
-             "o_ref, s_ref = kp.kda_chunk(q, k, v, g, beta, use_qk_l2norm=True, backend='reference')\n"
-             "o_int, s_int = kp.kda_chunk(q, k, v, g, beta, use_qk_l2norm=True, backend='interpret')\n"
-             "print('max |diff| output', float(jnp.abs(o_ref - o_int).max()), 'state', float(jnp.abs(s_ref - s_int).max()))"),
+           "lowering) or `interpret` (the Pallas kernel run by the interpreter on CPU). The whole model on the "
+           "prompt, both ways: the KDA chunk kernel and the MXFP4 grouped-matmul kernel against their references."),
+    ("code", "x = np.asarray([ids])\n"
+             "ref = kimik3.forward(model, x, backend='reference')\n"
+             "interp = kimik3.forward(model, x, backend='interpret')\n"
+             "print('max |diff| output logits', float(jnp.abs(ref - interp).max()), 'of max |logit|', float(jnp.abs(ref).max()))\n"
+             "print('same greedy next bytes:', bool((ref.argmax(-1) == interp.argmax(-1)).all()))"),
     ("md", "## Time a decode step"),
     ("code", "tokens = np.array([int(jnp.argmax(last[0]))])\n"
              "logits, cache = kimik3.decode_step(model, cache, tokens)  # compiles once\n"
@@ -47,7 +63,7 @@ cells = [
     ("md", "## The engine\nContinuous batching with a paged cache, as the batch script uses it."),
     ("code", "from serve import Engine\n"
              "eng = Engine(model, max_batch=4, max_seq_len=64, page_size=8)\n"
-             "print(eng.generate(['a', 'bb', 'ccc'], max_new_tokens=5))"),
+             "for o in eng.generate(['import ', 'def ', 'class '], max_new_tokens=12):\n    print(repr(tok.decode(o)))"),
 ]
 nb = nbf.v4.new_notebook()
 nb.cells = [nbf.v4.new_markdown_cell(src) if kind == "md" else nbf.v4.new_code_cell(src) for kind, src in cells]

@@ -13,7 +13,7 @@ from .calibration import calibrate_mla_cache_scale
 from .config import Config, ConfigError, PRESETS
 from .generation import generate
 from .model import Cache, KimiLM, Model, init_cache
-from .io import load, save
+from .io import SHIPPED_MODELS, load, save
 from .memory import memory_report
 from .params import abstract, init, param_count
 from .runtime import decode_step, extend, forward, prefill
@@ -21,5 +21,5 @@ from .sampling import sample
 from .tokenizer import ByteTokenizer, KimiTokenizer, Tokenizer, default_tokenizer, load_tokenizer
 
 __all__ = ["calibrate_mla_cache_scale", "Config", "ConfigError", "PRESETS", "generate", "Cache", "KimiLM", "Model", "init_cache",
-           "load", "save", "memory_report", "abstract", "init", "param_count", "decode_step", "extend", "forward", "prefill", "sample",
+           "SHIPPED_MODELS", "load", "save", "memory_report", "abstract", "init", "param_count", "decode_step", "extend", "forward", "prefill", "sample",
            "ByteTokenizer", "KimiTokenizer", "Tokenizer", "default_tokenizer", "load_tokenizer"]

@@ -351,8 +351,22 @@ def _tiny_linear() -> Config:
                   expert_format="dense", hidden_act="silu", attn_res_block_size=0, **_TINY_COMMON)
 
 
+def _tiny_code() -> Config:
+    """The shape of the trained tiny-code model (kimik3/assets/tiny-code, kimik3/train_tiny.py):
+    K3's layer pattern (every fourth layer MLA, the last one too), AttnRes, latent MoE with MXFP4
+    experts, SiTU, bounded full-rank KDA gate; byte vocabulary; a few million parameters."""
+    return Config(name="tiny-code", vocab_size=320, hidden_size=192, num_layers=8,
+                  layer_types=_mla_every(8, 4), bos_token_id=256, eos_token_id=257, pad_token_id=258,
+                  max_position_embeddings=4096, dtype="bfloat16", param_dtype="bfloat16",
+                  kda_num_heads=3, kda_head_dim=64, mla_num_heads=3, q_lora_rank=96, kv_lora_rank=96,
+                  qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=512,
+                  num_experts=16, num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=128,
+                  routed_expert_hidden_size=96, attn_res_block_size=2, router_dtype="float32")
+
+
 PRESETS = {
     "tiny": _tiny,
+    "tiny-code": _tiny_code,
     "tiny-linear": _tiny_linear,
     "kimi-linear-48b": _kimi_linear_48b,
     "kimi-k3": _kimi_k3,

@@ -1,4 +1,4 @@
-"""Command line: `kimik3 generate --model tiny --prompt "..."`, `kimik3 batch ...`.
+"""Command line: `kimik3 generate --prompt "..."` (the shipped trained tiny-code model), `kimik3 batch ...`.
 
 It lives in serve/ (the top layer) because its subcommands drive the engine; kimik3 never imports serve.
 
@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-DEFAULT_MODEL = "tiny"
+DEFAULT_MODEL = "tiny-code"  # shipped in the package (kimik3.SHIPPED_MODELS): trained, loads offline
 
 
 class UsageError(Exception):
@@ -79,8 +79,9 @@ def add_common_flags(p):
 
 def add_model_flags(p):
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="a preset (tiny, tiny-linear, kimi-linear-48b, kimi-k3: random weights) or a checkpoint "
-                        f"directory (HF safetensors or kimik3.save); default {DEFAULT_MODEL}")
+                   help="tiny-code (the shipped trained byte-level model), a preset (tiny, tiny-linear, "
+                        "kimi-linear-48b, kimi-k3: random weights) or a checkpoint directory (HF safetensors "
+                        f"or kimik3.save); default {DEFAULT_MODEL}")
     p.add_argument("--mxfp4-layout", choices=("k3", "paired"), default=None,
                    help="MXFP4 experts' byte layout in memory: paired = re-encoded at load for the faster "
                         "CUDA decode kernel (NVIDIA only); default: paired for an HF checkpoint on an NVIDIA "
@@ -118,19 +119,21 @@ def add_mesh_flags(p):
 
 # ---- what the shared flags build ----
 def check_model_flags(args) -> str:
-    """"preset" or "dir" for --model, or UsageError; also the flags that depend on it. Cheap."""
+    """"dir", "shipped" or "preset" for --model, or UsageError; also the flags that depend on it. Cheap."""
     import kimik3
 
     if os.path.isdir(args.model):
         kind = "dir"
+    elif args.model in kimik3.SHIPPED_MODELS:
+        kind = "shipped"
     elif args.model in kimik3.PRESETS:
         kind = "preset"
     elif os.path.exists(args.model):
         raise UsageError(f"--model {args.model}: not a directory (a checkpoint is a directory with "
                          "config.json and *.safetensors, or a kimik3.save directory)")
     else:
-        raise UsageError(f"no such checkpoint directory: {args.model} (nor a preset: "
-                         f"{', '.join(kimik3.PRESETS)})")
+        raise UsageError(f"no such checkpoint directory: {args.model} (nor a shipped model or preset: "
+                         f"{', '.join([*kimik3.SHIPPED_MODELS, *kimik3.PRESETS])})")
     if kind == "preset" and args.mxfp4_layout not in (None, "k3"):
         raise UsageError("--mxfp4-layout applies to checkpoint directories (a preset's random weights "
                          "are built in the K3 layout)")
@@ -155,11 +158,11 @@ def load_model(args, kind: str, mesh=None):
     """(model, tokenizer, where the weights came from); `kind` from check_model_flags."""
     import kimik3
 
-    if kind == "dir":
+    if kind in ("dir", "shipped"):
         model = kimik3.load(args.model, mesh=mesh, mxfp4_layout=args.mxfp4_layout)
-        has_bpe = os.path.exists(os.path.join(args.model, "tiktoken.model"))
+        has_bpe = kind == "dir" and os.path.exists(os.path.join(args.model, "tiktoken.model"))
         tok = kimik3.load_tokenizer(args.model) if has_bpe else kimik3.default_tokenizer(model.cfg)
-        origin = args.model
+        origin = kimik3.SHIPPED_MODELS.get(args.model, args.model)
     else:
         model = kimik3.init(kimik3.Config.preset(args.model), seed=args.seed, mesh=mesh)
         tok = kimik3.default_tokenizer(model.cfg)

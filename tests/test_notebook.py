@@ -17,3 +17,6 @@ def test_quickstart_runs(tmp_path):
         os.environ["PYTHONPATH"] = env_path
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "KDA state" in outputs and "ms per decode step" in outputs and "max |diff| output" in outputs
+    assert "bits per byte" in outputs
+    plots = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert plots == 2  # the per-byte loss and the cache images
