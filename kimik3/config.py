@@ -7,6 +7,7 @@ Reading and writing HF config.json lives in hf_config.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import jax.numpy as jnp
@@ -36,6 +37,20 @@ def dtype_name(value, what: str = "dtype") -> str:
         raise ConfigError(f"{what}={value!r} is not a supported dtype: use one of {DTYPES} "
                           "(a name, jnp.float32, np.float32 or jnp.dtype(...))")
     return name
+
+
+def read_json_object(file: str) -> dict:
+    """A JSON object from `file`; unreadable or invalid JSON is a one-line ConfigError naming it."""
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: cannot be read ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 @dataclasses.dataclass(frozen=True)

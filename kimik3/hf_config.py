@@ -13,11 +13,10 @@ top-level `head_dim` is the MLA rope width, never the KDA head width.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, read_json_object
 
 LAYER_TYPE_NAMES = {"linear_attention": "kda", "kda": "kda", "linear": "kda",
                     "full_attention": "mla", "mla": "mla", "attention": "mla"}
@@ -30,13 +29,7 @@ def config_from_hf_file(path: str | os.PathLike) -> Config:
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.exists(file):
         raise ConfigError(f"no config.json at {file}")
-    try:
-        with open(file) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file}: cannot be read ({e})") from None
+    raw = read_json_object(file)
     try:
         return config_from_hf_dict(raw, name=os.path.basename(os.path.dirname(os.path.abspath(file))))
     except ConfigError as e:
@@ -131,8 +124,6 @@ def _token_id(c: dict, key: str, vocab: int):
 
 
 def config_from_hf_dict(raw: dict[str, Any], name: str = "hf") -> Config:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"expected a JSON object, got {type(raw).__name__}")
     c = dict(raw.get("text_config") or raw)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if c.get(key) is None and raw.get(key) is not None:

@@ -14,7 +14,7 @@ import shutil
 
 import jax
 
-from ..config import Config, ConfigError, dtype_name
+from ..config import Config, ConfigError, dtype_name, read_json_object
 from ..model import Model
 from .safetensors_io import CheckpointError
 
@@ -49,13 +49,7 @@ def save(model: Model, path: str, overwrite: bool = False):
 def read_config(path: str) -> Config:
     """The Config saved beside the params; errors name the file (and the key)."""
     file = os.path.join(path, CONFIG_FILE)
-    try:
-        with open(file) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(file)
     unknown = sorted(set(raw) - {f.name for f in dataclasses.fields(Config)})
     if unknown:
         raise ConfigError(f"{file}: unknown key(s) {unknown}: not Config fields (written by another "
