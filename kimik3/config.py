@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 
 import jax.numpy as jnp
@@ -163,7 +164,7 @@ class Config:
                  f"entries must be one of {MLP_TYPES}")
         for f in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, f)
-            need(v is None or (isinstance(v, int) and 0 <= v < self.vocab_size), f,
+            need(v is None or (isinstance(v, numbers.Integral) and 0 <= v < self.vocab_size), f,
                  f"must be None or a token id in [0, vocab_size={self.vocab_size})")
         need(self.gate_lower_bound is None or -5.0 <= self.gate_lower_bound < 0, "gate_lower_bound",
              "must be None (softplus gate) or in [-5, 0)")

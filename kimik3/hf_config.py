@@ -97,11 +97,14 @@ def _mlp_layer_types(c: dict, n: int, moe: bool) -> tuple[str, ...]:
             raise ConfigError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {n} layers, "
                               f"got {native!r}")
         native = tuple(native)
-    legacy = None
+        if "sparse" in native and not moe:
+            raise ConfigError("mlp_layer_types marks MoE ('sparse') layers, but num_experts is 0")
     if c.get("first_k_dense_replace") is not None:
         k, freq = _number(c, "first_k_dense_replace"), _number(c, "moe_layer_freq", default=1)
         legacy = tuple("sparse" if moe and i >= k and i % max(freq, 1) == 0 else "dense" for i in range(n))
-    forms = [("mlp_layer_types", native), ("first_k_dense_replace", legacy)]
+        forms = [("mlp_layer_types", native), (f"first_k_dense_replace={k}, moe_layer_freq={freq}", legacy)]
+    else:
+        forms = [("mlp_layer_types", native)]
     return _agreed(forms, default=tuple("sparse" if moe else "dense" for _ in range(n)))
 
 
