@@ -7,6 +7,7 @@ into one line naming the file and the parameter.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -111,11 +112,10 @@ def _read_failure(params: str, e: BaseException) -> CheckpointError:
         if m:
             where = params
             if m.group(3):  # the value's size is the data file's size: name that file
-                data = os.path.join(params, "ocdbt.process_0", "d")
-                hits = [f for f in os.listdir(data) if os.path.getsize(os.path.join(data, f)) == int(m.group(3))] \
-                    if os.path.isdir(data) else []
+                data = glob.glob(os.path.join(params, "ocdbt.process_*", "d", "*"))
+                hits = [f for f in data if os.path.getsize(f) == int(m.group(3))]
                 if len(hits) == 1:
-                    where = os.path.join(data, hits[0])
+                    where = hits[0]
             return CheckpointError(f"{where}: parameter {m.group(1)} cannot be read (truncated or damaged "
                                    f"data: {_first_line(c)}); save the checkpoint again")
     return CheckpointError(f"{params}: restoring failed: {_first_line(chain[-1])}")
