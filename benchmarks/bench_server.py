@@ -46,7 +46,8 @@ def k3_slice():
         return kimik3.Config.preset("tiny")
     return kimik3.Config.preset("kimi-k3").replace(
         name="k3-tp8-rank-12L", num_layers=12, layer_types=("kda", "kda", "kda", "mla") * 3, kda_num_heads=12,
-        mla_num_heads=12, intermediate_size=33792 // 8, moe_intermediate_size=3072 // 8, vocab_size=163840 // 8)
+        mla_num_heads=12, intermediate_size=33792 // 8, moe_intermediate_size=3072 // 8, vocab_size=163840 // 8,
+        attn_res_block_size=12, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 def streams_trace() -> list[Session]:

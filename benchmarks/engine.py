@@ -42,7 +42,8 @@ def reduced_k3(mla_cache="auto"):
     return kimik3.Config.preset("kimi-k3").replace(
         name="k3-tp8-rank-3L", num_layers=3, layer_types=("kda", "kda", "mla"), kda_num_heads=12,
         mla_num_heads=12, intermediate_size=33792 // 8, moe_intermediate_size=3072 // 8,
-        vocab_size=163840 // 8, attn_res_block_size=2, mla_cache_dtype=mla_cache)
+        vocab_size=163840 // 8, attn_res_block_size=2, mla_cache_dtype=mla_cache,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)  # K3's ids lie past this vocabulary
 
 
 def step_bytes(cfg, params, batch, ctx):

@@ -2,14 +2,14 @@
 
 Every field is validated at construction; a bad value raises `ConfigError` naming the field.
 Layer indices are 0-based internally; HF's `linear_attn_config.full_attn_layers` is 1-based.
+Reading and writing HF config.json lives in hf_config.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
+import numbers
 import os
-from typing import Any
 
 import jax.numpy as jnp
 
@@ -24,6 +24,34 @@ EXPERT_FORMATS = ("dense", "mxfp4")
 MXFP4_LAYOUTS = ("k3", "paired")
 MOE_PLACEMENTS = ("auto", "tensor", "expert")
 MLA_CACHE_DTYPES = ("auto", "fp8")
+MLP_TYPES = ("dense", "sparse")
+
+
+def dtype_name(value, what: str = "dtype") -> str:
+    """The name of a float dtype given any way JAX users write one ("float32", jnp.float32,
+    np.float32, jnp.dtype("bfloat16")); a ConfigError naming `what` for anything else."""
+    try:
+        name = None if value is None or isinstance(value, bool) else jnp.dtype(value).name
+    except (TypeError, ValueError):
+        name = None
+    if name not in DTYPES:
+        raise ConfigError(f"{what}={value!r} is not a supported dtype: use one of {DTYPES} "
+                          "(a name, jnp.float32, np.float32 or jnp.dtype(...))")
+    return name
+
+
+def read_json_object(file: str) -> dict:
+    """A JSON object from `file`; unreadable or invalid JSON is a one-line ConfigError naming it."""
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: cannot be read ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +92,12 @@ class Config:
     mla_cache_dtype: str = "auto"
     mla_cache_scale: float = 1.0
     # MLP / MoE
-    intermediate_size: int = 33792
+    intermediate_size: int = 33792  # the dense layers' MLP
+    # which layers have a dense MLP and which a MoE: mlp_layer_types ("dense" / "sparse" per layer)
+    # when given; None: the rule, layers >= first_k_dense_replace with i % moe_layer_freq == 0 are MoE
     first_k_dense_replace: int = 1
     moe_layer_freq: int = 1
+    mlp_layer_types: tuple[str, ...] | None = None
     num_experts: int = 896
     num_experts_per_token: int = 16
     num_shared_experts: int = 2
@@ -102,6 +133,13 @@ class Config:
             if not cond:
                 raise ConfigError(f"Config.{field}: {msg} (got {getattr(self, field)!r})")
 
+        # canonical forms, so that equal configs compare equal: dtype names, tuples (JSON gives lists)
+        for f in ("dtype", "param_dtype", "router_dtype"):
+            object.__setattr__(self, f, dtype_name(getattr(self, f), f"Config.{f}"))
+        for f in ("layer_types", "mlp_layer_types"):
+            if isinstance(getattr(self, f), list):
+                object.__setattr__(self, f, tuple(getattr(self, f)))
+
         for f in ("vocab_size", "hidden_size", "num_layers", "kda_num_heads", "kda_head_dim",
                   "conv_size", "mla_num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
                   "intermediate_size", "moe_layer_freq", "num_expert_group", "topk_group"):
@@ -109,9 +147,6 @@ class Config:
         for f in ("qk_rope_head_dim", "first_k_dense_replace", "attn_res_block_size",
                   "num_shared_experts", "num_experts"):
             need(isinstance(getattr(self, f), int) and getattr(self, f) >= 0, f, "must be an int >= 0")
-        need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
-        need(self.param_dtype in DTYPES, "param_dtype", f"must be one of {DTYPES}")
-        need(self.router_dtype in DTYPES, "router_dtype", f"must be one of {DTYPES}")
         need(self.hidden_act in ACTIVATIONS, "hidden_act", f"must be one of {ACTIVATIONS}")
         need(self.expert_format in EXPERT_FORMATS, "expert_format", f"must be one of {EXPERT_FORMATS}")
         need(self.mxfp4_layout in MXFP4_LAYOUTS, "mxfp4_layout", f"must be one of {MXFP4_LAYOUTS}")
@@ -122,6 +157,15 @@ class Config:
              f"must have one entry per layer ({self.num_layers})")
         need(all(t in ("kda", "mla") for t in self.layer_types), "layer_types",
              "entries must be 'kda' or 'mla'")
+        if self.mlp_layer_types is not None:
+            need(isinstance(self.mlp_layer_types, tuple) and len(self.mlp_layer_types) == self.num_layers,
+                 "mlp_layer_types", f"must be None or have one entry per layer ({self.num_layers})")
+            need(all(t in MLP_TYPES for t in self.mlp_layer_types), "mlp_layer_types",
+                 f"entries must be one of {MLP_TYPES}")
+        for f in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            v = getattr(self, f)
+            need(v is None or (isinstance(v, numbers.Integral) and 0 <= v < self.vocab_size), f,
+                 f"must be None or a token id in [0, vocab_size={self.vocab_size})")
         need(self.gate_lower_bound is None or -5.0 <= self.gate_lower_bound < 0, "gate_lower_bound",
              "must be None (softplus gate) or in [-5, 0)")
         need(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", "must be None or > 0")
@@ -167,6 +211,8 @@ class Config:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "mla")
 
     def is_moe_layer(self, i: int) -> bool:
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[i] == "sparse"
         return self.num_experts > 0 and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
 
     @property
@@ -202,105 +248,11 @@ class Config:
 
     @staticmethod
     def from_hf(path: str | os.PathLike) -> "Config":
-        """Read a Kimi Linear or Kimi K3 `config.json` (a file or a checkpoint directory)."""
-        path = os.fspath(path)
-        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if not os.path.exists(file):
-            raise ConfigError(f"no config.json at {file}")
-        with open(file) as f:
-            raw = json.load(f)
-        return config_from_hf_dict(raw, name=os.path.basename(os.path.dirname(os.path.abspath(file))))
+        """Read a Kimi Linear or Kimi K3 `config.json` (a file or a checkpoint directory), in any
+        form HF transformers or Moonshot wrote it (hf_config.py); errors name the file."""
+        from .hf_config import config_from_hf_file
 
-
-def _layer_types_from_hf(c: dict[str, Any], n: int) -> tuple[str, ...]:
-    lac = c.get("linear_attn_config")
-    if lac:
-        full = lac.get("full_attn_layers")
-        kda = lac.get("kda_layers")
-        if full is None and kda is None:
-            raise ConfigError("config.json: linear_attn_config needs full_attn_layers or kda_layers")
-        full = set(full) if full is not None else set(range(1, n + 1)) - set(kda)
-        bad = [i for i in full if not 1 <= i <= n]
-        if bad:
-            raise ConfigError(f"config.json: linear_attn_config.full_attn_layers {bad} outside 1..{n}")
-        return tuple("mla" if i + 1 in full else "kda" for i in range(n))
-    if "layer_types" in c:
-        names = {"linear_attention": "kda", "kda": "kda", "linear": "kda",
-                 "full_attention": "mla", "mla": "mla", "attention": "mla"}
-        out = []
-        for t in c["layer_types"]:
-            if t not in names:
-                raise ConfigError(f"config.json: layer_types entry {t!r} is not one of {sorted(names)}")
-            out.append(names[t])
-        return tuple(out)
-    raise ConfigError("config.json: neither linear_attn_config nor layer_types says which layers are KDA")
-
-
-def config_from_hf_dict(raw: dict[str, Any], name: str = "hf") -> Config:
-    c = dict(raw.get("text_config") or raw)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if c.get(key) is None and raw.get(key) is not None:
-            c[key] = raw[key]
-    quant = c.get("quantization_config") or raw.get("quantization_config") or {}
-    n = int(c["num_hidden_layers"])
-    lac = c.get("linear_attn_config") or {}
-    eos = c.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0]
-    heads = int(c.get("num_attention_heads", 32))
-    kw = dict(
-        name=name,
-        vocab_size=int(c["vocab_size"]),
-        hidden_size=int(c["hidden_size"]),
-        num_layers=n,
-        layer_types=_layer_types_from_hf(c, n),
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-        dtype="bfloat16",
-        param_dtype="bfloat16",
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        bos_token_id=c.get("bos_token_id"),
-        eos_token_id=eos,
-        pad_token_id=c.get("pad_token_id"),
-        max_position_embeddings=int(c.get("max_position_embeddings", 1048576)),
-        kda_num_heads=int(lac.get("num_heads", heads)),
-        kda_head_dim=int(lac.get("head_dim", c.get("head_dim") or 128)),
-        conv_size=int(lac.get("short_conv_kernel_size", 4)),
-        gate_lower_bound=lac.get("gate_lower_bound"),
-        use_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
-        mla_num_heads=heads,
-        q_lora_rank=c.get("q_lora_rank"),
-        kv_lora_rank=int(c.get("kv_lora_rank", 512)),
-        qk_nope_head_dim=int(c.get("qk_nope_head_dim", 128)),
-        qk_rope_head_dim=int(c.get("qk_rope_head_dim", 64)),
-        v_head_dim=int(c.get("v_head_dim", 128)),
-        mla_use_nope=bool(c.get("mla_use_nope", True)),
-        mla_use_output_gate=bool(c.get("mla_use_output_gate", False)),
-        intermediate_size=int(c["intermediate_size"]),
-        first_k_dense_replace=int(c.get("first_k_dense_replace", 0)),
-        moe_layer_freq=int(c.get("moe_layer_freq", 1)),
-        num_experts=int(c.get("num_experts") or c.get("n_routed_experts") or 0),
-        num_experts_per_token=int(c.get("num_experts_per_token") or c.get("num_experts_per_tok") or 1),
-        num_shared_experts=int(c.get("num_shared_experts") or c.get("n_shared_experts") or 0),
-        moe_intermediate_size=int(c.get("moe_intermediate_size") or 1),
-        routed_expert_hidden_size=c.get("routed_expert_hidden_size"),
-        latent_moe_use_norm=bool(c.get("latent_moe_use_norm", False)),
-        routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
-        moe_renormalize=bool(c.get("moe_renormalize", True)),
-        num_expert_group=int(c.get("num_expert_group") or 1),
-        topk_group=int(c.get("topk_group") or 1),
-        router_dtype="bfloat16" if c.get("hidden_act") == "situ" else "float32",
-        expert_format="mxfp4" if "mxfp4" in str(quant.get("format", "")) else "dense",
-        hidden_act={"silu": "silu", "swiglu": "silu", "situ": "situ"}.get(c.get("hidden_act", "silu"),
-                                                                         c.get("hidden_act")),
-        situ_beta=float(c.get("activation_situ_beta", 4.0)),
-        situ_linear_beta=float(c.get("activation_situ_linear_beta", 25.0)),
-        attn_res_block_size=int(c.get("attn_res_block_size") or 0),
-    )
-    moe_act = c.get("moe_router_activation_func", "sigmoid")
-    if moe_act != "sigmoid":
-        raise ConfigError(f"config.json: moe_router_activation_func {moe_act!r}: only sigmoid routers exist "
-                          "in Kimi Linear / K3")
-    return Config(**kw)
+        return config_from_hf_file(path)
 
 
 def _mla_every(n: int, every: int, extra: tuple[int, ...] = ()) -> tuple[str, ...]:
@@ -371,42 +323,3 @@ PRESETS = {
     "kimi-linear-48b": _kimi_linear_48b,
     "kimi-k3": _kimi_k3,
 }
-
-
-def config_to_hf_dict(cfg: Config, k3_layout: bool | None = None) -> dict[str, Any]:
-    """The config.json an HF checkpoint of `cfg` carries (K3: wrapped in text_config)."""
-    k3 = cfg.attn_res_block_size > 0 if k3_layout is None else k3_layout
-    text = {
-        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-        "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
-        "hidden_act": cfg.hidden_act, "activation_situ_beta": cfg.situ_beta,
-        "activation_situ_linear_beta": cfg.situ_linear_beta, "attn_res_block_size": cfg.attn_res_block_size,
-        "num_attention_heads": cfg.mla_num_heads, "num_key_value_heads": cfg.mla_num_heads,
-        "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
-        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-        "v_head_dim": cfg.v_head_dim, "mla_use_nope": cfg.mla_use_nope,
-        "mla_use_output_gate": cfg.mla_use_output_gate,
-        "linear_attn_config": {
-            "full_attn_layers": [i + 1 for i in cfg.mla_layers], "kda_layers": [i + 1 for i in cfg.kda_layers],
-            "num_heads": cfg.kda_num_heads, "head_dim": cfg.kda_head_dim, "short_conv_kernel_size": cfg.conv_size,
-            "gate_lower_bound": cfg.gate_lower_bound, "use_full_rank_gate": cfg.use_full_rank_gate},
-        "num_experts": cfg.num_experts, "num_experts_per_token": cfg.num_experts_per_token,
-        "num_shared_experts": cfg.num_shared_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
-        "routed_expert_hidden_size": cfg.routed_expert_hidden_size,
-        "latent_moe_use_norm": cfg.latent_moe_use_norm, "moe_router_activation_func": "sigmoid",
-        "moe_renormalize": cfg.moe_renormalize, "routed_scaling_factor": cfg.routed_scaling_factor,
-        "num_expert_group": cfg.num_expert_group, "topk_group": cfg.topk_group,
-        "first_k_dense_replace": cfg.first_k_dense_replace, "moe_layer_freq": cfg.moe_layer_freq,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
-        "dtype": cfg.param_dtype,
-    }
-    if cfg.expert_format == "mxfp4":
-        text["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
-    if not k3:
-        return text
-    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
-            "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-            "pad_token_id": cfg.pad_token_id, "dtype": cfg.param_dtype, "tie_word_embeddings": False,
-            "text_config": text}

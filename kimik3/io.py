@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 from .checkpoint import is_orbax_dir, load_hf, load_orbax, save
+from .config import dtype_name
 from .model import Model
 from .params import with_mxfp4_layout
 
@@ -11,8 +12,11 @@ from .params import with_mxfp4_layout
 SHIPPED_MODELS = {"tiny-code": os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-code")}
 
 
-def load(path, mesh=None, dtype: str | None = None, mxfp4_layout: str | None = None) -> Model:
+def load(path, mesh=None, dtype=None, mxfp4_layout: str | None = None) -> Model:
     """Load an HF checkpoint directory (config.json + *.safetensors) or a kimik3 Orbax directory.
+
+    dtype: None keeps the checkpoint's dtype; else the weights and activations in that dtype
+    ("float32", "bfloat16", "float16", or jnp.float32, np.float32, jnp.dtype(...)), for both kinds.
 
     mxfp4_layout: the byte layout of MXFP4 experts in memory (Config.mxfp4_layout): "k3" (as K3
     stores them) or "paired" (re-encoded while loading, for the faster CUDA decode kernel);
@@ -25,12 +29,11 @@ def load(path, mesh=None, dtype: str | None = None, mxfp4_layout: str | None = N
     path = os.fspath(path)
     if path in SHIPPED_MODELS and not os.path.isdir(path):
         path, dtype = SHIPPED_MODELS[path], dtype or "float32"
+    dtype = None if dtype is None else dtype_name(dtype)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is not a directory (expected an HF checkpoint or a kimik3.save dir)")
     if is_orbax_dir(path):
-        if dtype is not None:
-            raise ValueError("dtype= applies to HF checkpoints; an Orbax checkpoint restores as saved")
-        model = load_orbax(path, mesh=mesh)
+        model = load_orbax(path, mesh=mesh, dtype=dtype)
         if mxfp4_layout in (None, "auto", model.cfg.mxfp4_layout):
             return model
         return with_mxfp4_layout(model, mxfp4_layout, donate=True)

@@ -172,7 +172,8 @@ def forward(path, tokens):
         p = a if p is None else p + a
         y = mix(bank + [p], w[L + "mlp_res_norm.weight"], w[L + "mlp_res_proj.weight"], eps) if bs else p
         y = rms(y, w[L + "post_attention_layernorm.weight"], eps)
-        p = p + (mlp(w, L + "mlp.", c, y) if i < c["first_k_dense_replace"] else moe(w, L + "block_sparse_moe.", c, y))
+        dense = L + "mlp.gate_proj.weight" in w  # the stored tensors say which layers are dense
+        p = p + (mlp(w, L + "mlp.", c, y) if dense else moe(w, L + "block_sparse_moe.", c, y))
     if bs:
         p = mix(bank + [p], w[pre + "output_attn_res_norm.weight"], w[pre + "output_attn_res_proj.weight"], eps)
     return rms(p, w[pre + "norm.weight"], eps) @ head.T

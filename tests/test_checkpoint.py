@@ -191,3 +191,83 @@ def test_paired_layout_onto_a_mesh(tiny_models, exported):
     toks = np.arange(12, dtype=np.int32).reshape(1, 12)
     np.testing.assert_allclose(np.asarray(kimik3.forward(model, toks)),
                                np.asarray(kimik3.forward(tiny_models["tiny"], toks)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def saved_linear(tiny_models, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("orbax") / "ckpt")
+    kimik3.save(tiny_models["tiny-linear"], d)
+    return d
+
+
+def _one_line(exc_info, *parts):
+    msg = str(exc_info.value)
+    assert len(msg.splitlines()) == 1, msg
+    for p in parts:
+        assert str(p) in msg, (p, msg)
+    return msg
+
+
+def test_damaged_orbax_dirs_fail_in_one_line_naming_file_and_parameter(saved_linear, tmp_path):
+    from kimik3 import ConfigError
+
+    d = _copy(saved_linear, tmp_path / "truncated")
+    data = os.path.join(d, "params", "ocdbt.process_0", "d")
+    biggest = max(os.listdir(data), key=lambda f: os.path.getsize(os.path.join(data, f)))
+    os.truncate(os.path.join(data, biggest), os.path.getsize(os.path.join(data, biggest)) // 2)
+    with pytest.raises(CheckpointError) as e:
+        kimik3.load(d)
+    _one_line(e, os.path.join(data, biggest), "parameter layers_", "truncated or damaged")
+
+    d = _copy(saved_linear, tmp_path / "manifest")
+    os.remove(os.path.join(d, "params", "manifest.ocdbt"))
+    with pytest.raises(CheckpointError) as e:
+        kimik3.load(d)
+    _one_line(e, os.path.join(d, "params", "manifest.ocdbt"), "is missing")
+
+    d = _copy(saved_linear, tmp_path / "key")
+    cfg_file = os.path.join(d, "kimik3_config.json")
+    raw = json.load(open(cfg_file))
+    json.dump(dict(raw, hidden_sise=64), open(cfg_file, "w"))
+    with pytest.raises(ConfigError) as e:
+        kimik3.load(d)
+    _one_line(e, cfg_file, "unknown key(s) ['hidden_sise']")
+
+    json.dump(dict(raw, intermediate_size=96), open(cfg_file, "w"))  # saved with 128
+    with pytest.raises(CheckpointError) as e:
+        kimik3.load(d)
+    _one_line(e, os.path.join(d, "params"), "parameter layers_0.mlp.down_proj.kernel has shape [128, 64]",
+              "kimik3_config.json implies [96, 64]")
+
+
+def test_save_to_an_existing_directory_needs_overwrite(tiny_models, saved_linear, tmp_path):
+    d = _copy(saved_linear, tmp_path / "ckpt")
+    model = tiny_models["tiny"]
+    with pytest.raises(FileExistsError) as e:
+        kimik3.save(model, d)
+    _one_line(e, d, "already exists", "overwrite=True")
+    assert kimik3.load(d).cfg.name == "tiny-linear"  # untouched
+    kimik3.save(model, d, overwrite=True)
+    assert _equal_trees(kimik3.load(d).params, model.params)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a kimik3.save directory"):
+        kimik3.save(model, str(other), overwrite=True)
+    assert (other / "keep.txt").read_text() == "mine"
+
+
+def test_load_dtype_takes_jax_and_numpy_dtypes_for_both_kinds(tiny_models, exported, saved_linear):
+    base = tiny_models["tiny-linear"]
+    for path in (exported["tiny-linear"], saved_linear):
+        for given in ("bfloat16", jnp.bfloat16, jnp.dtype("bfloat16")):
+            model = kimik3.load(path, dtype=given)
+            assert model.cfg.dtype == model.cfg.param_dtype == "bfloat16"
+            q = model.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
+            assert q.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(
+                np.asarray(q), np.asarray(base.params["layers_0"]["self_attn"]["q_proj"]["kernel"].astype(jnp.bfloat16)))
+        assert kimik3.load(path, dtype=np.float32).cfg == base.cfg.replace(name=kimik3.load(path).cfg.name)
+        with pytest.raises(ValueError, match="dtype='int8' is not a supported dtype") as e:
+            kimik3.load(path, dtype="int8")
+        assert len(str(e.value).splitlines()) == 1

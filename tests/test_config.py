@@ -106,3 +106,54 @@ def test_from_hf_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ConfigError, match=r"\[99\] outside 1..27"):
         Config.from_hf(tmp_path)
+
+
+def _one_line_error(tmp_path, raw_text):
+    (tmp_path / "config.json").write_text(raw_text)
+    with pytest.raises(ConfigError) as e:
+        Config.from_hf(tmp_path)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and msg.startswith(str(tmp_path / "config.json") + ": "), msg
+    return msg
+
+
+def test_config_json_errors_are_one_line_naming_the_file(tmp_path):
+    assert "not valid JSON" in _one_line_error(tmp_path, '{"vocab_size": 163840,,}')
+    for field in ("num_hidden_layers", "vocab_size", "hidden_size"):
+        raw = {k: v for k, v in KIMI_LINEAR_JSON.items() if k != field}
+        assert f"missing required field '{field}'" in _one_line_error(tmp_path, json.dumps(raw))
+    raw = dict(KIMI_LINEAR_JSON, num_hidden_layers="27")
+    assert "num_hidden_layers must be an integer" in _one_line_error(tmp_path, json.dumps(raw))
+    # kimik3.load reports the same line (it used to json.load the file itself first)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match="config.json: not valid JSON"):
+        kimik3.load(tmp_path)
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"eos_token_id": 163840}, "eos_token_id"),  # one past the last id
+    ({"vocab_size": 1000, "bos_token_id": 1, "eos_token_id": 99999}, "eos_token_id"),
+    ({"eos_token_id": [163586, 200000]}, "eos_token_id"),
+    ({"vocab_size": 1000}, "bos_token_id"),  # bos/eos/pad ids of 163584.. do not fit
+    ({"pad_token_id": -1}, "pad_token_id"),
+])
+def test_special_token_ids_outside_the_vocabulary(tmp_path, changes, field):
+    msg = _one_line_error(tmp_path, json.dumps(dict(KIMI_LINEAR_JSON, **changes)))
+    assert field in msg and "vocab_size" in msg, msg
+    with pytest.raises(ConfigError, match=f"Config.{field}"):
+        Config.preset("tiny").replace(**{field: 320})  # tiny's vocabulary is 0..319
+
+
+def test_dtype_arguments_take_what_jax_users_pass():
+    import jax.numpy as jnp
+    import numpy as np
+
+    tiny = Config.preset("tiny")
+    for given in ("float32", jnp.float32, np.float32, jnp.dtype("float32"), np.dtype("float32")):
+        assert tiny.replace(dtype=given, param_dtype=given) == tiny  # canonical names
+    cfg = tiny.replace(dtype=jnp.dtype("bfloat16"), router_dtype=jnp.bfloat16)
+    assert (cfg.dtype, cfg.router_dtype, cfg.jnp_dtype) == ("bfloat16", "bfloat16", jnp.bfloat16)
+    for bad in ("fp32", jnp.int8, None, 3):
+        with pytest.raises(ConfigError, match="Config.dtype=.*not a supported dtype") as e:
+            tiny.replace(dtype=bad)
+        assert len(str(e.value).splitlines()) == 1

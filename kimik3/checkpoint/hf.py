@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import Config
+from ..config import Config, dtype_name
 from ..model import Model
 from .safetensors_io import CheckpointError, SafetensorsFile
 
@@ -191,21 +191,24 @@ def auto_mxfp4_layout(cfg: Config) -> str:
     return "paired" if ok else "k3"
 
 
-def load_hf(path: str, mesh=None, dtype: str | None = None, mxfp4_layout: str = "auto") -> Model:
-    """Load an HF checkpoint directory. dtype None keeps the checkpoint's dtype. mxfp4_layout:
+def load_hf(path: str, mesh=None, dtype=None, mxfp4_layout: str = "auto") -> Model:
+    """Load an HF checkpoint directory. dtype None keeps the checkpoint's dtype (else a name,
+    jnp.float32, np.float32 or jnp.dtype(...)). mxfp4_layout:
     "k3" keeps MXFP4 experts' bytes as stored; "paired" re-encodes them after reading, on the
     devices that hold them (`with_mxfp4_layout`), for the faster CUDA decode kernel
     (Config.mxfp4_layout; kernels_pallas/moe/paired.py); "auto" picks "paired" on an NVIDIA GPU
     with bf16 activations (`auto_mxfp4_layout`), else "k3"."""
     from ..params import abstract as abstract_tree
 
+    base = Config.from_hf(path)  # validates config.json; its errors name the file
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
     files = [SafetensorsFile(p) for p in shard_files(path)]
     keys = [k for f in files for k in f.keys()]
     packed = any(k.endswith(".weight_packed") for k in keys)
+    dtype = None if dtype is None else dtype_name(dtype)
     dt = dtype or _checkpoint_dtype(raw)
-    cfg = Config.from_hf(path).replace(expert_format="mxfp4" if packed else "dense", dtype=dt, param_dtype=dt)
+    cfg = base.replace(expert_format="mxfp4" if packed else "dense", dtype=dt, param_dtype=dt)
     if mxfp4_layout == "auto":
         mxfp4_layout = auto_mxfp4_layout(cfg)
     layout = mxfp4_layout if packed else "k3"

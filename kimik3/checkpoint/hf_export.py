@@ -9,7 +9,7 @@ import os
 import jax
 import numpy as np
 
-from ..config import config_to_hf_dict
+from ..hf_config import config_to_hf_dict
 from ..model import Model
 from ..params import with_mxfp4_layout
 from .hf import _T, _first, _flat, _get, _squeeze_mid, hf_param_map
