@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from kimik3.model import KimiLM, Model
-from kimik3.sampling import sample
+from kimik3.sampling import MAX_TOP_LOGPROBS, sample_step
 
 
 def _reset_rows(entry, reset):
@@ -20,37 +20,45 @@ def _reset_rows(entry, reset):
             for k, v in entry.items()}
 
 
-def _keys(seeds, gen_idx):
-    """One key per row from the request's seed and the index of the token being sampled: samples
-    depend on neither the batch, the slot, nor preemption."""
-    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, gen_idx)
-
-
-@functools.partial(jax.jit, static_argnames=("backend", "dcp_axes"), donate_argnames=("layers",))
+@functools.partial(jax.jit, static_argnames=("backend", "dcp_axes", "logprobs"), donate_argnames=("layers",))
 def mixed_step(model: Model, layers, tokens, start, n_new, reset, page_table, seeds, gen_idx,
-               temperature, top_k, top_p, backend=None, dcp_axes=()):
+               temperature, top_k, top_p, backend=None, dcp_axes=(), logprobs=False):
     """tokens [B, T]: row b appends its first n_new[b] tokens after start[b]; returns the token
-    sampled after each row's last new token, and the updated cache layers."""
+    sampled after each row's last new token [B], its log-probabilities (None, or kimik3.sampling's
+    (chosen [B], top ids [B, K], top logprobs [B, K]) with `logprobs`), and the updated layers."""
     layers = tuple(_reset_rows(e, reset) for e in layers)
     logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tokens, layers, start, n_new,
                                              backend=backend, page_table=page_table, dcp_axes=dcp_axes)
     last = logits[jnp.arange(tokens.shape[0]), jnp.maximum(n_new - 1, 0)]
-    return sample(last, _keys(seeds, gen_idx), temperature, top_k, top_p), layers
+    sampled, lp = sample_step(last, seeds, gen_idx, temperature, top_k, top_p, logprobs)
+    return sampled, lp, layers
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "backend", "dcp_axes"), donate_argnames=("layers",))
+@functools.partial(jax.jit, static_argnames=("steps", "backend", "dcp_axes", "logprobs"),
+                   donate_argnames=("layers",))
 def decode_steps(model: Model, layers, tokens, start, active, page_table, seeds, gen_idx,
-                 temperature, top_k, top_p, steps: int, backend=None, dcp_axes=()):
+                 temperature, top_k, top_p, steps: int, backend=None, dcp_axes=(), logprobs=False):
     """`steps` decode steps on device: feed each row's last token, sample the next. Returns the
-    sampled tokens [steps, B] and the layers. Rows with active = 0 are left untouched."""
+    sampled tokens [steps, B], their log-probabilities (None, or (chosen [steps, B], top ids
+    [steps, B, K], top logprobs [steps, B, K]) with `logprobs`) and the layers. Rows with
+    active = 0 are left untouched."""
     def body(i, carry):
-        layers, tok, start, gen, out = carry
+        layers, tok, start, gen, out, lp_out = carry
         logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tok[:, None], layers, start,
                                                  active, backend=backend, page_table=page_table,
                                                  dcp_axes=dcp_axes)
-        nxt = sample(logits[:, 0], _keys(seeds, gen), temperature, top_k, top_p)
-        return layers, nxt, start + active, gen + active, out.at[i].set(nxt)
+        nxt, lp = sample_step(logits[:, 0], seeds, gen, temperature, top_k, top_p, logprobs)
+        if logprobs:
+            lp_out = tuple(o.at[i].set(v) for o, v in zip(lp_out, lp))
+        return layers, nxt, start + active, gen + active, out.at[i].set(nxt), lp_out
 
-    out = jnp.zeros((steps, tokens.shape[0]), jnp.int32)
-    layers, _, _, _, out = jax.lax.fori_loop(0, steps, body, (layers, tokens, start, gen_idx, out))
-    return out, layers
+    B = tokens.shape[0]
+    out = jnp.zeros((steps, B), jnp.int32)
+    lp_out = None
+    if logprobs:  # (chosen, top ids, top logprobs) of every step
+        K = min(MAX_TOP_LOGPROBS, model.cfg.vocab_size)
+        lp_out = (jnp.zeros((steps, B), jnp.float32), jnp.zeros((steps, B, K), jnp.int32),
+                  jnp.zeros((steps, B, K), jnp.float32))
+    layers, _, _, _, out, lp_out = jax.lax.fori_loop(0, steps, body,
+                                                     (layers, tokens, start, gen_idx, out, lp_out))
+    return out, lp_out, layers
