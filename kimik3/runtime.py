@@ -2,7 +2,8 @@
 decode / verify into a cache), and the checks that turn bad input into clear errors before jit.
 
 `forward`, `extend`, `prefill` (given a token array) and `decode_step` are traceable: they can be
-called inside `jax.jit`, `jax.vmap`, `jax.grad` and friends. Values (token ids inside the
+called inside `jax.jit` (and `forward` inside `jax.vmap` over tokens, and `jax.grad` with respect
+to float weights). Values (token ids inside the
 vocabulary, lengths within the cache) are checked on the host when the inputs are concrete; under
 tracing only shapes and dtypes are checked, and the values are the caller's responsibility.
 """
@@ -93,7 +94,7 @@ def forward(model: Model, tokens, backend=None):
     """int32 [B, T] -> float32 logits [B, T, vocab]; a causal pass with no cache.
 
     Traceable: `jax.jit(kimik3.forward)(model, tokens)`, `jax.vmap(kimik3.forward, in_axes=(None, 0))`
-    over tokens [N, B, T], and `jax.grad` with respect to the weights."""
+    over tokens [N, B, T], and `jax.grad` with respect to float weights."""
     arr = check_tokens(model.cfg, tokens)
     if arr.ndim != 2 or arr.shape[1] == 0:
         raise ValueError(f"forward needs tokens of shape [batch, length>0], got {arr.shape}")

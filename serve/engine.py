@@ -340,6 +340,7 @@ class Engine:
                 sampled, lp, self.layers = decode_steps(self.model, self.layers, jnp.asarray(tokens),
                                                         args[0], args[1], steps=steps, **common)
                 sampled = np.asarray(sampled)
+                lp = lp and tuple(np.asarray(a) for a in lp)
         self._reset[:] = False
         events = []
         for r in running:
