@@ -183,8 +183,10 @@ class Engine:
         """Drop a request that has not finished (waiting or running); it ends with reason "abort"."""
         if req.finished is not None:
             return
-        if req in self.waiting:
-            self.waiting.remove(req)
+        for i, r in enumerate(self.waiting):
+            if r is req:  # by identity: Requests compare by value
+                del self.waiting[i]
+                break
         self._finish(req, "abort")
 
     @property

@@ -28,7 +28,7 @@ def _write_input(path, n=24):
 
 
 def _cmd(inp, out):
-    return [sys.executable, "-m", "kimik3", "batch", "--model", "tiny", "--input", str(inp), "--output", str(out),
+    return [sys.executable, "-m", "serve", "batch", "--model", "tiny", "--input", str(inp), "--output", str(out),
             "--max-new-tokens", "6", "--max-batch", "4", "--max-seq-len", "64", "--page-size", "8", "--quiet"]
 
 
