@@ -140,7 +140,7 @@ class AsyncEngine:
                 answer.set_result(req)
             elif command[0] == "cancel":
                 req = command[1]
-                if self.engine.cancel(req):
+                if self.engine.abort(req):
                     self.cancelled += 1
                     self._deliver(req, [])
 
@@ -148,7 +148,7 @@ class AsyncEngine:
         eng = self.engine
         victims = list(eng.waiting) + [r for r in eng.slots if r is not None]
         for req in victims:
-            eng.cancel(req)
+            eng.abort(req)
             req.finish_reason = reason
         return [(req, []) for req in victims]
 

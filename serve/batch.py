@@ -1,19 +1,29 @@
 """Batch offline generation: prompts.jsonl in, results.jsonl out, resumable.
 
 Each input line is a JSON object: {"id": ..., "prompt": "text" | [token ids]} or
-{"id": ..., "messages": [{"role": ..., "content": ...}]}, with optional "max_new_tokens",
-"temperature", "top_k", "top_p", "seed", "stop" (a list of strings). Results are appended one JSON
-object per line as each request finishes and flushed, so a killed job loses nothing: rerunning
-the same command skips ids already in the output (a torn last line is dropped and redone), and
-each id appears exactly once. A line that cannot be run becomes {"id", "error"} and the rest of
-the file still runs.
+{"id": ..., "messages": [{"role": ..., "content": ...}]}, with optional "max_new_tokens" (or its
+alias "max_tokens"), "temperature", "top_k", "top_p", "seed", "stop" (a list of strings). "id" is
+a string or an integer, unique in the file.
+
+Results are appended one JSON object per line as each request finishes and flushed, so a killed
+job loses nothing: rerunning the same command skips what the output already has (a torn last line
+is dropped and redone). A result is
+    {"id", "tokens": [generated ids], "text", "finish_reason": "stop" | "length",
+     "usage": {"prompt_tokens", "completion_tokens", "total_tokens"},
+     "metrics": {"ttft_s", "decode_tokens_per_s", "preemptions"}}.
+A request that cannot be run becomes {"id", "error"}; a line without a usable id (not JSON, no
+"id", "id": null) or with an id an earlier line already used becomes {"id": null | the duplicate,
+"line": n, "error"}, keyed by its line number; the rest of the file still runs.
 """
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import sys
 import time
+
+from tqdm import tqdm
 
 from .engine import Engine, SamplingParams
 
@@ -21,7 +31,8 @@ SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 
 
 def read_done(path: str) -> set:
-    """Ids already written; truncates a torn final line left by a killed run."""
+    """Keys (see `_record_key`) of the records already written; truncates a torn final line left
+    by a killed run."""
     done = set()
     if not os.path.exists(path):
         return done
@@ -31,7 +42,7 @@ def read_done(path: str) -> set:
             if not line.endswith(b"\n"):
                 break
             try:
-                done.add(_key(json.loads(line)["id"]))
+                done.add(_record_key(json.loads(line)))
             except (ValueError, KeyError, TypeError):
                 break
             good += len(line)
@@ -42,17 +53,30 @@ def read_done(path: str) -> set:
 
 
 def _key(i):
-    return json.dumps(i, sort_keys=True)
+    return ("id", json.dumps(i, sort_keys=True))
 
 
-def parse_line(n: int, line: str, tokenizer, defaults: dict):
-    """(id, prompt ids, SamplingParams) or raise ValueError with the reason."""
+def _record_key(rec: dict):
+    """What a result stands for: its input line when it has "line", else its id."""
+    return ("line", rec["line"]) if "line" in rec else _key(rec["id"])
+
+
+def read_request(n: int, line: str):
+    """(id, object) of input line n, or raise ValueError when the line has no usable id."""
     try:
         obj = json.loads(line)
     except ValueError as e:
         raise ValueError(f"line {n} is not JSON ({e.msg})") from None
-    if not isinstance(obj, dict) or "id" not in obj:
-        raise ValueError(f"line {n} has no \"id\"")
+    if not isinstance(obj, dict) or obj.get("id") is None:
+        raise ValueError(f"line {n} has no \"id\": give every line a unique string or integer id")
+    rid = obj["id"]
+    if not isinstance(rid, (str, numbers.Integral)) or isinstance(rid, bool):
+        raise ValueError(f"line {n}: \"id\" must be a string or an integer, got {json.dumps(rid)}")
+    return rid, obj
+
+
+def parse_request(obj: dict, tokenizer, defaults: dict):
+    """(prompt ids, SamplingParams) of one input object, or raise ValueError with the reason."""
     if "messages" in obj:
         if not isinstance(obj["messages"], list):
             raise ValueError("\"messages\" must be a list of {role, content}")
@@ -63,37 +87,37 @@ def parse_line(n: int, line: str, tokenizer, defaults: dict):
         prompt = obj["prompt"]
     else:
         raise ValueError("needs \"prompt\" (a string or a list of token ids) or \"messages\"")
-    kw = dict(defaults)
-    for f in SAMPLING_FIELDS:
-        if f in obj:
-            kw[f] = obj[f]
-    stop = obj.get("stop", ())
-    if isinstance(stop, str) or not all(isinstance(s, str) for s in stop):
+    if "max_tokens" in obj:  # the OpenAI name
+        if "max_new_tokens" in obj and obj["max_new_tokens"] != obj["max_tokens"]:
+            raise ValueError("\"max_tokens\" and \"max_new_tokens\" differ: give one of them")
+        obj = dict(obj, max_new_tokens=obj["max_tokens"])
+    stop = obj.get("stop", [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise ValueError("\"stop\" must be a list of strings")
-    try:
-        params = SamplingParams(max_new_tokens=int(kw["max_new_tokens"]), temperature=float(kw["temperature"]),
-                                top_k=int(kw["top_k"]), top_p=float(kw["top_p"]), seed=int(kw["seed"]),
-                                stop_strings=tuple(stop))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"bad sampling field: {e}") from None
-    return obj["id"], prompt, params
+    kw = dict(defaults, **{f: obj[f] for f in SAMPLING_FIELDS if f in obj})
+    params = SamplingParams(**kw, stop_strings=tuple(stop))
+    params.check()  # one line naming the bad field; values are never truncated or coerced
+    return prompt, params
 
 
 class Progress:
-    def __init__(self, total: int, out=sys.stderr):
-        self.total, self.out, self.t0 = total, out, time.perf_counter()
-        self.done = self.tokens = self.errors = 0
+    """The batch's progress on stderr: a tqdm bar of requests done, with tokens/s and errors."""
+
+    def __init__(self, total: int, disable: bool = False, file=None):
+        self.bar = tqdm(total=total, disable=disable, file=file or sys.stderr, unit="req", dynamic_ncols=True,
+                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} requests [{elapsed}<{remaining}{postfix}]")
+        self.tokens = self.errors = 0
+        self.t0 = time.perf_counter()
 
     def update(self, tokens=0, error=False):
-        self.done += 1
         self.tokens += tokens
         self.errors += error
-        dt = time.perf_counter() - self.t0
-        width = 30
-        fill = int(width * self.done / max(self.total, 1))
-        self.out.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} requests, "
-                       f"{self.tokens / max(dt, 1e-9):.1f} tok/s, {self.errors} errors")
-        self.out.flush()
+        rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{rate:.1f} tok/s, {self.errors} errors", refresh=False)
+        self.bar.update(1)
+
+    def close(self):
+        self.bar.close()
 
 
 def run_batch(model, input_path: str, output_path: str, tokenizer, defaults: dict | None = None,
@@ -101,26 +125,33 @@ def run_batch(model, input_path: str, output_path: str, tokenizer, defaults: dic
     defaults = dict(dict(max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=0), **(defaults or {}))
     done = read_done(output_path)
     engine = Engine(model, tokenizer=tokenizer, **engine_kw)
-    seen, todo, errors = set(done), [], []
+    first_line, todo, errors = {}, [], []
     with open(input_path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                rid, prompt, params = parse_line(n, line, tokenizer, defaults)
+                rid, obj = read_request(n, line)
             except ValueError as e:
-                rid = _id_of(line, n)
-                if _key(rid) not in seen:
-                    errors.append({"id": rid, "error": str(e)})
-                    seen.add(_key(rid))
+                if ("line", n) not in done:
+                    errors.append({"id": None, "line": n, "error": str(e)})
                 continue
-            if _key(rid) in seen:
-                if _key(rid) not in done:
-                    print(f"\nkimik3 batch: line {n}: duplicate id {rid!r} skipped", file=sys.stderr)
+            k = _key(rid)
+            if k in first_line:
+                if ("line", n) not in done:
+                    errors.append({"id": rid, "line": n, "error": f"duplicate id {json.dumps(rid)} (first on line "
+                                                                  f"{first_line[k]}): ids must be unique"})
                 continue
-            seen.add(_key(rid))
+            first_line[k] = n
+            if k in done:
+                continue
+            try:
+                prompt, params = parse_request(obj, tokenizer, defaults)
+            except ValueError as e:
+                errors.append({"id": rid, "error": str(e)})
+                continue
             todo.append((rid, prompt, params))
-    bar = Progress(len(todo) + len(errors)) if progress else None
+    bar = Progress(len(todo) + len(errors), disable=not progress)
     summary = {"requests": 0, "tokens": 0, "errors": 0, "skipped": len(done)}
     t0 = time.perf_counter()
     with open(output_path, "a") as out:
@@ -128,46 +159,41 @@ def run_batch(model, input_path: str, output_path: str, tokenizer, defaults: dic
             out.write(json.dumps(rec) + "\n")
             out.flush()
             os.fsync(out.fileno())
+            if "error" in rec:
+                summary["errors"] += 1
+                bar.update(error=True)
 
         for rec in errors:
             write(rec)
-            summary["errors"] += 1
-            bar and bar.update(error=True)
-        ids = {}
         for rid, prompt, params in todo:
             try:
-                ids[id(engine.submit(prompt, params, request_id=rid))] = rid
+                engine.submit(prompt, params, request_id=rid)
             except ValueError as e:
                 write({"id": rid, "error": str(e)})
-                summary["errors"] += 1
-                bar and bar.update(error=True)
         while engine.has_work():
             for req, _ in engine.step():
                 if req.finished is None:
                     continue
                 if req.finish_reason.startswith("error"):
                     write({"id": req.id, "error": req.finish_reason[len("error: "):]})
-                    summary["errors"] += 1
-                    bar and bar.update(error=True)
                     continue
-                text = req.text if req.text is not None else tokenizer.decode(req.output)
-                write({"id": req.id, "output_tokens": req.output, "text": text,
-                       "finish_reason": req.finish_reason, **req.metrics})
+                write(_result(req, tokenizer))
                 summary["requests"] += 1
                 summary["tokens"] += len(req.output)
-                bar and bar.update(tokens=len(req.output))
+                bar.update(tokens=len(req.output))
+    bar.close()
     summary["seconds"] = time.perf_counter() - t0
     summary["tokens_per_s"] = summary["tokens"] / max(summary["seconds"], 1e-9)
-    if progress:
-        sys.stderr.write("\n")
     return summary
 
 
-def _id_of(line: str, n: int):
-    try:
-        obj = json.loads(line)
-        if isinstance(obj, dict) and "id" in obj:
-            return obj["id"]
-    except ValueError:
-        pass
-    return f"line-{n}"
+def _result(req, tokenizer) -> dict:
+    """The record of a finished request: its ids and text, a usage count, and its timings."""
+    m = req.metrics
+    n_out = len(req.output)
+    return {"id": req.id, "tokens": list(req.output),
+            "text": req.text if req.text is not None else tokenizer.decode(req.output),
+            "finish_reason": req.finish_reason,
+            "usage": {"prompt_tokens": len(req.prompt), "completion_tokens": n_out,
+                      "total_tokens": len(req.prompt) + n_out},
+            "metrics": {k: m[k] for k in ("ttft_s", "decode_tokens_per_s", "preemptions")}}

@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kimik3.generation import (Completion, accept_token, encode_prompts, logprob_rows, prompt_seeds, stop_set,
+                               text_tokenizer)
 from kimik3.model import Model, cache_shapes
-from kimik3.runtime import check_tokens, mesh_context, run_mesh
-from kimik3.tokenizer import default_tokenizer
+from kimik3.runtime import mesh_context, run_mesh
+from kimik3.sampling import check_sampling
 
 from .pages import PageAllocator
 from .speculation import Speculator, Stopwatch
@@ -35,13 +37,13 @@ class SamplingParams:
     seed: int = 0
     stop_tokens: tuple | None = None  # None: the model's EOS
     stop_strings: tuple = ()
+    return_logprobs: bool = False  # fill Request.logprobs / top_logprobs as tokens are accepted
+    top_logprobs: int = 0  # alternatives per token with return_logprobs (<= kimik3.sampling.MAX_TOP_LOGPROBS)
 
-    def check(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not (self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0):
-            raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
-                             f"{self.temperature}, {self.top_p}, {self.top_k}")
+    def check(self, vocab_size=None):
+        """The same rules as kimik3.generate's (kimik3.sampling.check_sampling)."""
+        check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed, self.stop_tokens,
+                       self.stop_strings, self.top_logprobs, vocab_size)
 
 
 @dataclasses.dataclass
@@ -49,7 +51,7 @@ class Request:
     id: object
     prompt: list
     params: SamplingParams
-    output: list = dataclasses.field(default_factory=list)
+    output: Completion = dataclasses.field(default_factory=Completion)  # the accepted tokens (a list)
     slot: int | None = None
     pages: list = dataclasses.field(default_factory=list)
     fed: int = 0  # tokens of prompt + output already in the cache
@@ -59,6 +61,16 @@ class Request:
     finish_reason: str | None = None
     preemptions: int = 0
     text: str | None = None
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        """With params.return_logprobs: each accepted token's log-probability, as accepted."""
+        return self.output.logprobs
+
+    @property
+    def top_logprobs(self) -> list[dict] | None:
+        """With params.return_logprobs: per accepted token {id: logprob} of the top_logprobs best."""
+        return self.output.top_logprobs
 
     @property
     def sequence(self):
@@ -152,21 +164,40 @@ class Engine:
 
     # ---- submission ----
     def submit(self, prompt, params: SamplingParams | None = None, request_id=None) -> Request:
-        params = params or SamplingParams()
-        params.check()
-        if isinstance(prompt, str):
-            tok = self.tokenizer or default_tokenizer(self.cfg)
-            prompt = tok.encode(prompt, add_bos=True)
-        if len(prompt) == 0:
-            raise ValueError("empty prompt: a request needs at least one token")
-        prompt = [int(t) for t in check_tokens(self.cfg, list(prompt), "prompt")]
-        if len(prompt) + params.max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceeds "
-                             f"the engine's max_seq_len {self.max_seq_len}")
-        req = Request(id=next(self._ids) if request_id is None else request_id, prompt=prompt,
-                      params=params, submitted=time.perf_counter())
+        """Queue one prompt (a string or a list of token ids); raises ValueError before queueing
+        anything if the prompt or the settings are bad."""
+        req = self._request(prompt, params, request_id)
         self.waiting.append(req)
         return req
+
+    def _request(self, prompt, params: SamplingParams | None, request_id, index: int = 0) -> Request:
+        """A checked request, not yet queued."""
+        params = params or SamplingParams()
+        params.check(self.cfg.vocab_size)
+        tok = text_tokenizer(self.cfg, self.tokenizer)
+        if params.stop_strings and tok is None:
+            raise ValueError("stop_strings need the model's tokenizer: pass Engine(..., tokenizer=)")
+        prompt = encode_prompts(self.cfg, [prompt], self.tokenizer, first=index)[0]
+        if len(prompt) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt {index}: {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceeds "
+                             f"the engine's max_seq_len {self.max_seq_len}")
+        lp = [] if params.return_logprobs else None
+        return Request(id=next(self._ids) if request_id is None else request_id, prompt=prompt, params=params,
+                       output=Completion(logprobs=lp, top_logprobs=None if lp is None else []),
+                       submitted=time.perf_counter())
+
+    def abort(self, req: Request) -> bool:
+        """Stop a request between steps (its client went away, its stream was closed): it leaves
+        the queue or its slot, its pages are freed, finish_reason "abort". False if it had
+        already finished."""
+        if req.finished is not None:
+            return False
+        for i, r in enumerate(self.waiting):
+            if r is req:  # by identity: Requests compare by value
+                del self.waiting[i]
+                break
+        self._finish(req, "abort")
+        return True
 
     @property
     def running(self) -> list[Request]:
@@ -174,15 +205,6 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.slots)
-
-    def cancel(self, req: Request) -> bool:
-        """Stop a request between steps (e.g. its client went away): it leaves the queue or its
-        slot, its pages are freed, finish_reason "cancelled". False if it had already finished."""
-        if req.finished is not None:
-            return False
-        self.waiting = deque(r for r in self.waiting if r is not req)
-        self._finish(req, "cancelled")
-        return True
 
     def check_pages(self):
         """Allocator invariants: no leaked pages, none owned twice, every holder listed."""
@@ -242,32 +264,23 @@ class Engine:
             self._release(req)
         self.done.append(req)
 
-    def _accept(self, req: Request, tokens) -> list[int]:
-        """Append sampled tokens until a stop condition; returns the tokens kept."""
+    def _accept(self, req: Request, tokens, logprobs=None) -> list[int]:
+        """Append sampled tokens until a stop condition (kimik3.generate's rules); returns the
+        tokens kept. logprobs: per token (chosen, {id: logprob}) when the request asked for them."""
         p = req.params
-        stops = {self.cfg.eos_token_id} if p.stop_tokens is None else set(p.stop_tokens)
-        kept = []
-        for t in tokens:
-            t = int(t)
+        stops = stop_set(self.cfg, p.stop_tokens)
+        tok = text_tokenizer(self.cfg, self.tokenizer)
+        start = len(req.output)
+        for j, t in enumerate(tokens):
             if req.first_token is None:
                 req.first_token = time.perf_counter()
-            if t in stops:
-                self._finish(req, "stop")
-                return kept
-            req.output.append(t)
-            kept.append(t)
-            if p.stop_strings:
-                tok = self.tokenizer or default_tokenizer(self.cfg)
-                text = tok.decode(req.output)
-                hit = [text.index(s) for s in p.stop_strings if s in text]
-                if hit:
-                    req.text = text[:min(hit)]
-                    self._finish(req, "stop")
-                    return kept
-            if len(req.output) >= p.max_new_tokens:
-                self._finish(req, "length")
-                return kept
-        return kept
+            reason = accept_token(req.output, int(t), p.max_new_tokens, stops, p.stop_strings, tok,
+                                  None if logprobs is None else logprobs[j])
+            if reason:
+                req.text = req.output.text
+                self._finish(req, reason)
+                break
+        return req.output[start:]
 
     # ---- one scheduler iteration ----
     def step(self) -> list[tuple[Request, list[int]]]:
@@ -332,20 +345,23 @@ class Engine:
             seeds[s], gen[s] = p.seed, len(r.output)
             temp[s], top_k[s], top_p[s] = p.temperature, p.top_k, p.top_p
         args = [jnp.asarray(a) for a in (start, n_new)]
+        want_lp = any(r.params.return_logprobs for r in running)  # else the steps skip that work
         common = dict(page_table=jnp.asarray(table), seeds=jnp.asarray(seeds), gen_idx=jnp.asarray(gen),
                       temperature=jnp.asarray(temp), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p),
-                      backend=self.backend, dcp_axes=self.dcp_axes)
+                      backend=self.backend, dcp_axes=self.dcp_axes, logprobs=want_lp)
         # on a mesh the MoE layers run in shard_map (dedup / expert parallelism) under it
         clock = Stopwatch()
         with mesh_context(run_mesh(self.model)), clock:
             if prefilling:
-                sampled, self.layers = mixed_step(self.model, self.layers, jnp.asarray(tokens), *args,
-                                                  jnp.asarray(self._reset), **common)
+                sampled, lp, self.layers = mixed_step(self.model, self.layers, jnp.asarray(tokens), *args,
+                                                      jnp.asarray(self._reset), **common)
                 sampled = np.asarray(sampled)[None]  # [1, B]
+                lp = lp and tuple(np.asarray(a)[None] for a in lp)
             else:
-                sampled, self.layers = decode_steps(self.model, self.layers, jnp.asarray(tokens),
-                                                    args[0], args[1], steps=steps, **common)
+                sampled, lp, self.layers = decode_steps(self.model, self.layers, jnp.asarray(tokens),
+                                                        args[0], args[1], steps=steps, **common)
                 sampled = np.asarray(sampled)
+                lp = lp and tuple(np.asarray(a) for a in lp)
         if self.spec is not None and not prefilling:
             self.spec.timed(len(running), 0, clock.seconds / steps)
         self._reset[:] = False
@@ -357,7 +373,10 @@ class Engine:
                 continue
             if prefilling and r.fed < len(r.sequence):  # recomputing after preemption
                 continue
-            kept = self._accept(r, sampled[:, s])
+            rows = None
+            if r.params.return_logprobs:  # per step: (chosen, {id: logprob}) of this row
+                rows = [logprob_rows(lp, r.params.top_logprobs, i)[s] for i in range(sampled.shape[0])]
+            kept = self._accept(r, sampled[:, s], rows)
             if kept or r.finished:
                 events.append((r, kept))
         return events
@@ -395,13 +414,15 @@ class Engine:
             table[s, :len(r.pages)] = r.pages
             seeds[s], gen[s] = p.seed, len(r.output)
             temp[s], top_k[s], top_p[s] = p.temperature, p.top_k, p.top_p
+        want_lp = any(r.params.return_logprobs for r in running)
         clock = Stopwatch()
         with mesh_context(run_mesh(self.model)), clock:
-            samples, accepted, self.layers = verify_step(
+            samples, accepted, lp, self.layers = verify_step(
                 self.model, self.layers, *(jnp.asarray(a) for a in (tokens, start, n_new, table, seeds, gen,
                                                                     temp, top_k, top_p)),
-                backend=self.backend, dcp_axes=self.dcp_axes)
+                backend=self.backend, dcp_axes=self.dcp_axes, logprobs=want_lp)
             samples, accepted = np.asarray(samples), np.asarray(accepted)
+            lp = lp and tuple(np.asarray(a) for a in lp)
         self.spec.timed(len(running), k, clock.seconds)
         events = []
         for r in running:
@@ -409,7 +430,10 @@ class Engine:
             a = int(accepted[s])
             self.spec.record(r.id, int(n_new[s]) - 1, a)
             r.fed += a + 1  # the last sampled token and the accepted drafts are now cached
-            kept = self._accept(r, samples[s, :a + 1])
+            rows = None
+            if r.params.return_logprobs:
+                rows = [logprob_rows(lp, r.params.top_logprobs, t)[s] for t in range(a + 1)]
+            kept = self._accept(r, samples[s, :a + 1], rows)
             if kept or r.finished:
                 events.append((r, kept))
         return events
@@ -426,27 +450,60 @@ class Engine:
 
     # ---- user-facing ----
     def stream(self, prompts, params=None):
-        """Submit prompts and yield (request, new tokens) as they are produced."""
-        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        reqs = [self.submit(p, sp) for p, sp in zip(prompts, plist)]
-        pending = {id(r) for r in reqs}
-        while pending:
-            for req, toks in self.step():
-                if id(req) in pending:
-                    yield req, toks
+        """Submit prompts (a list of strings / token lists; a bare string is one prompt) and yield
+        (request, chunk) as tokens are accepted: chunk is a `Completion` of the new tokens (with
+        their .logprobs / .top_logprobs when params ask for them, and .finish_reason on the last).
+        Every prompt is checked before any is queued; closing the iterator early aborts the
+        requests it still has in flight."""
+        yield from self._drive(self._queue(prompts, params))
+
+    def _queue(self, prompts, params) -> list[Request]:
+        """Check every prompt and its params, then queue them all (or none)."""
+        prompts = encode_prompts(self.cfg, prompts, self.tokenizer)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts: give one per prompt")
+        reqs = [self._request(p, sp, None, i) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        self.waiting.extend(reqs)
+        return reqs
+
+    def _drive(self, reqs):
+        """Step until every one of reqs has finished, yielding (request, chunk) for them."""
+        pending = {id(r): r for r in reqs}
+        try:
+            while pending:
+                for req, toks in self.step():
+                    if id(req) not in pending:
+                        continue
+                    out, n = req.output, len(toks)
+                    tail = lambda xs: None if xs is None else xs[len(xs) - n:]
+                    yield req, Completion(toks, finish_reason=req.finish_reason, logprobs=tail(out.logprobs),
+                                          top_logprobs=tail(out.top_logprobs))
                     if req.finished is not None:
-                        pending.discard(id(req))
+                        del pending[id(req)]
+        finally:
+            for req in pending.values():
+                self.abort(req)
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop_tokens=None, stop_strings=(), params=None):
-        """Generate for a list of prompts (token lists or strings): one token list per prompt.
-        `params` (one SamplingParams per prompt) overrides the keyword defaults."""
+                 top_p: float = 1.0, seed: int = 0, stop_tokens=None, stop_strings=(), return_logprobs=False,
+                 top_logprobs: int = 0, params=None) -> list[Completion]:
+        """kimik3.generate's contract on the engine: one `Completion` per prompt (a list of new
+        token ids with .text, .finish_reason, .logprobs, .top_logprobs), the same checks, and the
+        same samples for the same seed (prompt i uses seed + i). A bare string is one prompt.
+        `params` (one SamplingParams per prompt) overrides the keyword settings."""
         if params is None:
-            params = [SamplingParams(max_new_tokens, temperature, top_k, top_p, seed + i,
-                                     None if stop_tokens is None else tuple(stop_tokens), tuple(stop_strings))
-                      for i in range(len(prompts))]
-        reqs = {}
-        for req, _ in self.stream(prompts, params):
-            reqs[id(req)] = req
-        order = sorted(reqs.values(), key=lambda r: r.submitted)
-        return [r.output for r in order]
+            check_sampling(max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, stop_strings,
+                           top_logprobs, self.cfg.vocab_size)
+            n = 1 if isinstance(prompts, str) else len(prompts)
+            params = [SamplingParams(max_new_tokens, temperature, top_k, top_p, int(s),
+                                     None if stop_tokens is None else tuple(stop_tokens), tuple(stop_strings),
+                                     return_logprobs, top_logprobs) for s in prompt_seeds(seed, n)]
+        reqs = self._queue(prompts, params)
+        for _ in self._drive(reqs):
+            pass
+        tok = text_tokenizer(self.cfg, self.tokenizer)
+        for r in reqs:
+            r.output.finish_reason = r.finish_reason
+            r.output.text = r.text if r.text is not None else (tok.decode(r.output) if tok is not None else None)
+        return [r.output for r in reqs]

@@ -329,7 +329,7 @@ def build_app(aengine: AsyncEngine, tokenizer, model_name: str, devices: int = 1
                     last = d
             finally:
                 stream.cancel()
-            if last.finish_reason.startswith("error") or last.finish_reason == "cancelled":
+            if last.finish_reason.startswith("error") or last.finish_reason == "abort":
                 raise APIError(503, f"the request failed: {last.finish_reason}", None, "server_error")
             usage = _usage(len(prompt), len(tokens), last.metrics)
             metrics.finished(usage, last.metrics.get("ttft_s"))
@@ -358,7 +358,7 @@ def build_app(aengine: AsyncEngine, tokenizer, model_name: str, devices: int = 1
                     n += len(d.tokens)
                     out = text.push(d.tokens, d.text, finished=d.finished)
                     if d.finished:
-                        if d.finish_reason.startswith("error") or d.finish_reason == "cancelled":
+                        if d.finish_reason.startswith("error") or d.finish_reason == "abort":
                             yield _sse(error_body(f"the request failed: {d.finish_reason}", "server_error", None, 503))
                             break
                         yield chunk([piece(out, _finish_reason(d.finish_reason), d.tokens)])

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from kimik3.layers.kda import keep_positions
 from kimik3.model import KimiLM, Model
-from kimik3.sampling import sample
+from kimik3.sampling import MAX_TOP_LOGPROBS, sample_step
 
 
 def _reset_rows(entry, reset):
@@ -22,45 +22,53 @@ def _reset_rows(entry, reset):
             for k, v in entry.items()}
 
 
-def _keys(seeds, gen_idx):
-    """One key per row from the request's seed and the index of the token being sampled: samples
-    depend on neither the batch, the slot, nor preemption."""
-    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, gen_idx)
-
-
-@functools.partial(jax.jit, static_argnames=("backend", "dcp_axes"), donate_argnames=("layers",))
+@functools.partial(jax.jit, static_argnames=("backend", "dcp_axes", "logprobs"), donate_argnames=("layers",))
 def mixed_step(model: Model, layers, tokens, start, n_new, reset, page_table, seeds, gen_idx,
-               temperature, top_k, top_p, backend=None, dcp_axes=()):
+               temperature, top_k, top_p, backend=None, dcp_axes=(), logprobs=False):
     """tokens [B, T]: row b appends its first n_new[b] tokens after start[b]; returns the token
-    sampled after each row's last new token, and the updated cache layers."""
+    sampled after each row's last new token [B], its log-probabilities (None, or kimik3.sampling's
+    (chosen [B], top ids [B, K], top logprobs [B, K]) with `logprobs`), and the updated layers."""
     layers = tuple(_reset_rows(e, reset) for e in layers)
     logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tokens, layers, start, n_new,
                                              backend=backend, page_table=page_table, dcp_axes=dcp_axes)
     last = logits[jnp.arange(tokens.shape[0]), jnp.maximum(n_new - 1, 0)]
-    return sample(last, _keys(seeds, gen_idx), temperature, top_k, top_p), layers
+    sampled, lp = sample_step(last, seeds, gen_idx, temperature, top_k, top_p, logprobs)
+    return sampled, lp, layers
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "backend", "dcp_axes"), donate_argnames=("layers",))
+@functools.partial(jax.jit, static_argnames=("steps", "backend", "dcp_axes", "logprobs"),
+                   donate_argnames=("layers",))
 def decode_steps(model: Model, layers, tokens, start, active, page_table, seeds, gen_idx,
-                 temperature, top_k, top_p, steps: int, backend=None, dcp_axes=()):
+                 temperature, top_k, top_p, steps: int, backend=None, dcp_axes=(), logprobs=False):
     """`steps` decode steps on device: feed each row's last token, sample the next. Returns the
-    sampled tokens [steps, B] and the layers. Rows with active = 0 are left untouched."""
+    sampled tokens [steps, B], their log-probabilities (None, or (chosen [steps, B], top ids
+    [steps, B, K], top logprobs [steps, B, K]) with `logprobs`) and the layers. Rows with
+    active = 0 are left untouched."""
     def body(i, carry):
-        layers, tok, start, gen, out = carry
+        layers, tok, start, gen, out, lp_out = carry
         logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tok[:, None], layers, start,
                                                  active, backend=backend, page_table=page_table,
                                                  dcp_axes=dcp_axes)
-        nxt = sample(logits[:, 0], _keys(seeds, gen), temperature, top_k, top_p)
-        return layers, nxt, start + active, gen + active, out.at[i].set(nxt)
+        nxt, lp = sample_step(logits[:, 0], seeds, gen, temperature, top_k, top_p, logprobs)
+        if logprobs:
+            lp_out = tuple(o.at[i].set(v) for o, v in zip(lp_out, lp))
+        return layers, nxt, start + active, gen + active, out.at[i].set(nxt), lp_out
 
-    out = jnp.zeros((steps, tokens.shape[0]), jnp.int32)
-    layers, _, _, _, out = jax.lax.fori_loop(0, steps, body, (layers, tokens, start, gen_idx, out))
-    return out, layers
+    B = tokens.shape[0]
+    out = jnp.zeros((steps, B), jnp.int32)
+    lp_out = None
+    if logprobs:  # (chosen, top ids, top logprobs) of every step
+        K = min(MAX_TOP_LOGPROBS, model.cfg.vocab_size)
+        lp_out = (jnp.zeros((steps, B), jnp.float32), jnp.zeros((steps, B, K), jnp.int32),
+                  jnp.zeros((steps, B, K), jnp.float32))
+    layers, _, _, _, out, lp_out = jax.lax.fori_loop(0, steps, body,
+                                                     (layers, tokens, start, gen_idx, out, lp_out))
+    return out, lp_out, layers
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "dcp_axes"), donate_argnames=("layers",))
+@functools.partial(jax.jit, static_argnames=("backend", "dcp_axes", "logprobs"), donate_argnames=("layers",))
 def verify_step(model: Model, layers, tokens, start, n_new, page_table, seeds, gen_idx,
-                temperature, top_k, top_p, backend=None, dcp_axes=()):
+                temperature, top_k, top_p, backend=None, dcp_axes=(), logprobs: bool = False):
     """Speculative verify: tokens [B, 1 + k] are each row's last sampled token then k drafts (row b
     uses its first n_new[b]). The target samples a token after every position with the key it
     would use without speculation (index gen_idx + t), accepts drafts while they equal its own
@@ -68,15 +76,17 @@ def verify_step(model: Model, layers, tokens, start, n_new, page_table, seeds, g
     exact rejection sampling (a draft d is kept with probability p(d); on a miss the target's
     sample is drawn from p restricted to the other tokens), and the committed tokens are the ones
     plain decoding with the same seed produces. Returns (samples [B, 1 + k], accepted drafts [B],
-    layers): row b commits samples[b, :accepted[b] + 1]."""
+    logprobs of every position or None, layers): row b commits samples[b, :accepted[b] + 1]."""
     B, T = tokens.shape
     logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tokens, layers, start, n_new,
                                              backend=backend, page_table=page_table, dcp_axes=dcp_axes,
                                              all_positions=True)
-    samples = jax.vmap(lambda lg, t: sample(lg, _keys(seeds, gen_idx + t), temperature, top_k, top_p),
-                       in_axes=(1, 0), out_axes=1)(logits, jnp.arange(T))
+    per_pos = [sample_step(logits[:, t], seeds, gen_idx + t, temperature, top_k, top_p, logprobs)
+               for t in range(T)]
+    samples = jnp.stack([s for s, _ in per_pos], axis=1)
+    lp = tuple(jnp.stack(a) for a in zip(*[p for _, p in per_pos])) if logprobs else None  # [T, B, ..]
     drafts_ok = (tokens[:, 1:] == samples[:, :-1]) & (jnp.arange(1, T) < n_new[:, None])
     accepted = jnp.sum(jnp.cumprod(drafts_ok.astype(jnp.int32), axis=1), axis=1)
     keep = jnp.where(n_new > 0, accepted + 1, 0)  # fed tokens whose cache entries stay
     layers = tuple(e if "latent" in e else keep_positions(e, keep) for e in layers)
-    return samples, accepted, layers
+    return samples, accepted, lp, layers

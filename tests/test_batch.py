@@ -28,7 +28,7 @@ def _write_input(path, n=24):
 
 
 def _cmd(inp, out):
-    return [sys.executable, "-m", "kimik3", "batch", "--model", "tiny", "--input", str(inp), "--output", str(out),
+    return [sys.executable, "-m", "serve", "batch", "--model", "tiny", "--input", str(inp), "--output", str(out),
             "--max-new-tokens", "6", "--max-batch", "4", "--max-seq-len", "64", "--page-size", "8", "--quiet"]
 
 
@@ -37,6 +37,11 @@ def _env():
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["JAX_PLATFORMS"] = "cpu"
     return env
+
+
+def _rkey(rec):
+    """A record's identity: its id, and its input line when it is about a line (bad or duplicate id)."""
+    return json.dumps([rec["id"], rec.get("line")])
 
 
 def _records(path):
@@ -49,7 +54,7 @@ def test_kill_and_resume(tmp_path):
     _write_input(inp)
     ref_out = tmp_path / "ref.jsonl"
     subprocess.run(_cmd(inp, ref_out), env=_env(), check=True, capture_output=True)
-    ref = {json.dumps(r["id"]): r for r in _records(ref_out)}
+    ref = {_rkey(r): r for r in _records(ref_out)}
     assert len(ref) == 27
 
     out = tmp_path / "out.jsonl"
@@ -68,11 +73,11 @@ def test_kill_and_resume(tmp_path):
     done = subprocess.run(_cmd(inp, out), env=_env(), check=True, capture_output=True, text=True)
     assert "already done" in done.stderr
     got = _records(out)
-    ids = [json.dumps(r["id"]) for r in got]
+    ids = [_rkey(r) for r in got]
     assert len(ids) == len(set(ids)) == 27
     for r in got:
-        want = ref[json.dumps(r["id"])]
-        for key in ("output_tokens", "text", "error", "finish_reason"):
+        want = ref[_rkey(r)]
+        for key in ("tokens", "text", "error", "finish_reason", "usage"):
             assert r.get(key) == want.get(key), (r["id"], key)
 
 
@@ -81,11 +86,11 @@ def test_error_records_and_summary(tmp_path):
     _write_input(inp, n=3)
     out = tmp_path / "o.jsonl"
     res = subprocess.run(_cmd(inp, out)[:-1], env=_env(), check=True, capture_output=True, text=True)
-    recs = {json.dumps(r["id"]): r for r in _records(out)}
-    assert "not JSON" in recs['"line-4"']["error"]
-    assert "exceeds the engine's max_seq_len" in recs['"long"']["error"]
-    assert "needs \"prompt\"" in recs['"nothing"']["error"]
-    assert recs['"r0"']["output_tokens"] and recs['"r0"']["ttft_s"] > 0
+    recs = {_rkey(r): r for r in _records(out)}
+    assert "not JSON" in recs["[null, 4]"]["error"]
+    assert "exceeds the engine's max_seq_len" in recs['["long", null]']["error"]
+    assert "needs \"prompt\"" in recs['["nothing", null]']["error"]
+    assert recs['["r0", null]']["tokens"] and recs['["r0", null]']["metrics"]["ttft_s"] > 0
     assert "3 requests" in res.stderr and "3 errors" in res.stderr and "tok/s" in res.stderr
     assert "6/6 requests" in res.stderr  # the progress bar reached the end
 
@@ -102,8 +107,64 @@ def test_batch_on_a_mesh_with_dcp(tmp_path):
     for name, extra in (("one", []), ("mesh", ["--tensor", "2", "--dcp", "4"])):
         out = tmp_path / f"{name}.jsonl"
         subprocess.run(_cmd(inp, out) + extra, env=env, check=True, capture_output=True, timeout=300)
-        outs[name] = sorted((r["id"], r["output_tokens"]) for r in map(json.loads, open(out)))
+        outs[name] = sorted((r["id"], r["tokens"]) for r in map(json.loads, open(out)))
     assert outs["mesh"] == outs["one"] and len(outs["one"]) == 5
     bad = subprocess.run(_cmd(inp, tmp_path / "bad.jsonl") + ["--dcp", "4", "--page-size", "6"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "multiple of the DCP size" in bad.stderr
+
+
+def _run_in_process(tmp_path, model, lines, name="in", **kw):
+    from serve.batch import run_batch
+
+    inp, out = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.out.jsonl"
+    inp.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    tok = __import__("kimik3").default_tokenizer(model.cfg)
+    summary = run_batch(model, str(inp), str(out), tok, defaults=dict(max_new_tokens=5), max_batch=2,
+                        max_seq_len=32, page_size=8, prefill_chunk=16, **kw)
+    return summary, out
+
+
+def test_records_keep_token_ids_usage_and_key_bad_ids_by_line(tmp_path, tiny_models):
+    import kimik3
+
+    model = tiny_models["tiny"]
+    lines = [{"id": "a", "prompt": [1, 2, 3], "max_new_tokens": 4},
+             {"id": None, "prompt": [1, 2]},
+             {"prompt": [1, 2]},
+             {"id": "a", "prompt": [4, 5]},
+             {"id": 0, "prompt": [6, 7], "max_tokens": 3},
+             {"id": "frac", "prompt": [1], "max_new_tokens": 2.5},
+             {"id": "both", "prompt": [1], "max_tokens": 2, "max_new_tokens": 3},
+             {"id": {"not": "scalar"}, "prompt": [1]}]
+    summary, out = _run_in_process(tmp_path, model, lines, progress=False)
+    recs = {_rkey(r): r for r in _records(out)}
+    assert len(recs) == len(lines) and summary["requests"] == 2 and summary["errors"] == 6
+    a = recs['["a", null]']
+    assert a["tokens"] == kimik3.generate(model, [[1, 2, 3]], max_new_tokens=4)[0]
+    assert a["usage"] == {"prompt_tokens": 3, "completion_tokens": len(a["tokens"]),
+                          "total_tokens": 3 + len(a["tokens"])}
+    assert a["text"] == kimik3.default_tokenizer(model.cfg).decode(a["tokens"])
+    zero = recs["[0, null]"]  # a real id 0, max_tokens honoured
+    assert "error" not in zero and zero["tokens"] == kimik3.generate(model, [[6, 7]], max_new_tokens=3)[0]
+    for line in (2, 3):  # "id": null and a missing id: keyed by the line, not by an engine counter
+        assert 'no "id"' in recs[f"[null, {line}]"]["error"]
+    assert "duplicate id \"a\" (first on line 1)" in recs['["a", 4]']["error"]
+    assert "max_new_tokens must be an integer >= 1, got 2.5" in recs['["frac", null]']["error"]
+    assert "differ" in recs['["both", null]']["error"]
+    assert "must be a string or an integer" in recs["[null, 8]"]["error"]
+    before = out.read_text()
+    again, _ = _run_in_process(tmp_path, model, lines, progress=False)
+    assert out.read_text() == before and again["skipped"] == len(lines)  # a rerun adds nothing
+
+
+def test_progress_bar_shows_requests_tokens_per_s_and_errors(tmp_path, tiny_models, capsys):
+    import tqdm
+
+    from serve.batch import Progress
+
+    assert isinstance(Progress(1, disable=True).bar, tqdm.tqdm)
+    lines = [{"id": 1, "prompt": [1, 2]}, {"id": 2, "prompt": "hi"}, {"id": 3}]
+    _run_in_process(tmp_path, tiny_models["tiny"], lines, name="bar", progress=True)
+    err = capsys.readouterr().err
+    assert "3/3 requests" in err and "tok/s, 1 errors" in err and "[00:" in err

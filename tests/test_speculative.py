@@ -56,7 +56,7 @@ def test_rollback_keeps_exactly_the_accepted_prefix(model):
     tokens = toks[:, :4].copy()
     tokens[1, 2] = (tokens[1, 2] + 1) % cfg.vocab_size  # row 1: its 2nd draft is wrong
     n_new = np.array([4, 4, 2])  # row 2 drafts one token only
-    samples, accepted, layers = _verify(model, cache, tokens, n_new, np.zeros(3))
+    samples, accepted, _, layers = _verify(model, cache, tokens, n_new, np.zeros(3))
     accepted = np.asarray(accepted)
     np.testing.assert_array_equal(accepted, [3, 1, 1])
     np.testing.assert_array_equal(np.asarray(samples)[0], toks[0, 1:])
@@ -137,7 +137,7 @@ def test_committed_tokens_follow_the_target_distribution(model):
     p /= p.sum()
     draft = int(np.argmax(p))
     tokens = np.tile(np.array([[3, draft]]), (n, 1))
-    samples, accepted, _ = _verify(model, cache, tokens, np.full(n, 2), np.arange(n), temperature=temp)
+    samples, accepted, _, _ = _verify(model, cache, tokens, np.full(n, 2), np.arange(n), temperature=temp)
     first = np.asarray(samples)[:, 0]
     np.testing.assert_array_equal(np.asarray(accepted), (first == draft).astype(int))
     top = np.argsort(p)[::-1][:5]  # five likeliest tokens + "any other"
