@@ -40,17 +40,23 @@ def mixed_step(model: Model, layers, tokens, start, n_new, reset, page_table, se
 
 @functools.partial(jax.jit, static_argnames=("steps", "backend", "dcp_axes"), donate_argnames=("layers",))
 def decode_steps(model: Model, layers, tokens, start, active, page_table, seeds, gen_idx,
-                 temperature, top_k, top_p, steps: int, backend=None, dcp_axes=()):
+                 temperature, top_k, top_p, stops, limit, steps: int, backend=None, dcp_axes=()):
     """`steps` decode steps on device: feed each row's last token, sample the next. Returns the
-    sampled tokens [steps, B] and the layers. Rows with active = 0 are left untouched."""
+    sampled tokens [steps, B], the tokens each row fed [B], and the layers. Rows with active = 0
+    are left untouched; a row stops feeding once it samples one of its `stops` [B, S] (pad -1) or
+    its token count reaches `limit` [B], so its cache ends exactly at its last kept token (the
+    prefix cache checkpoints that state); samples after that are ignored by the engine."""
     def body(i, carry):
-        layers, tok, start, gen, out = carry
+        layers, tok, start, gen, out, live = carry
+        act = active * live
         logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tok[:, None], layers, start,
-                                                 active, backend=backend, page_table=page_table,
+                                                 act, backend=backend, page_table=page_table,
                                                  dcp_axes=dcp_axes)
         nxt = sample(logits[:, 0], _keys(seeds, gen), temperature, top_k, top_p)
-        return layers, nxt, start + active, gen + active, out.at[i].set(nxt)
+        live = live * ((gen + 1 < limit) & ~(nxt[:, None] == stops).any(-1))
+        return layers, nxt, start + act, gen + act, out.at[i].set(nxt), live
 
     out = jnp.zeros((steps, tokens.shape[0]), jnp.int32)
-    layers, _, _, _, out = jax.lax.fori_loop(0, steps, body, (layers, tokens, start, gen_idx, out))
-    return out, layers
+    live = jnp.ones_like(active)
+    layers, _, end, _, out, _ = jax.lax.fori_loop(0, steps, body, (layers, tokens, start, gen_idx, out, live))
+    return out, end - start, layers
