@@ -157,6 +157,7 @@ def run_batch(model, input_path: str, output_path: str, tokenizer, defaults: dic
                 summary["tokens"] += len(req.output)
                 bar and bar.update(tokens=len(req.output))
     summary["seconds"] = time.perf_counter() - t0
+    summary.update({k: v for k, v in engine.stats().items() if k not in summary})  # prefix-cache counters
     summary["tokens_per_s"] = summary["tokens"] / max(summary["seconds"], 1e-9)
     if progress:
         sys.stderr.write("\n")

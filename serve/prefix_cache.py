@@ -303,15 +303,33 @@ class PrefixCache:
             if id(node) not in self.index.lru or node.pins or node.pages is None:
                 continue
             self.counts["evictions"] += 1
-            nbytes = len(node.pages) * self.eng.page_bytes
-            if self.host is not None and self._host_room(nbytes):
-                if id(node) not in self.index.lru:  # making room dropped an ancestor, and it
-                    continue
-                data = read_pages(self.eng.layers, self._ids(node.pages, 0))
-                node.host_pages = self.host.save(data, nbytes)
-                self._drop_pages(node)
-            else:
+            if not self._pages_to_host(node) and id(node) in self.index.lru:
                 self._drop_subtree(node)
+
+    def offload(self):
+        """Move every cached page no running request reads, and every checkpoint, to the host tier
+        (what its budget cannot hold is dropped)."""
+        for node in self.index.nodes():
+            if id(node) in self.index.lru and node.ckpt is not None:
+                self._ckpt_to_host(node)
+            if id(node) in self.index.lru and node.pages is not None and not node.pins:
+                self._pages_to_host(node)
+
+    def _pages_to_host(self, node: Node) -> bool:
+        nbytes = len(node.pages) * self.eng.page_bytes
+        if self.host is None or not self._host_room(nbytes) or id(node) not in self.index.lru:
+            return False  # (making room may have dropped an ancestor, and the node with it)
+        data = read_pages(self.eng.layers, self._ids(node.pages, 0))
+        node.host_pages = self.host.save(data, nbytes)
+        self._drop_pages(node)
+        return True
+
+    def _ckpt_to_host(self, node: Node):
+        """Move a device checkpoint to host, or drop it if the host tier cannot take it."""
+        ckpt, node.ckpt = node.ckpt, None
+        self.device_ckpts -= 1
+        if self.host is not None and self._host_room(self.ckpt_bytes) and id(node) in self.index.lru:
+            node.host_ckpt = self.host.save(ckpt, self.ckpt_bytes)
 
     # ---- checkpoints ----
     def _add_ckpt(self, node: Node, ckpt):
@@ -327,10 +345,7 @@ class PrefixCache:
             if victim is node or id(victim) not in self.index.lru or victim.ckpt is None:
                 continue
             self.counts["evictions"] += 1
-            ckpt, victim.ckpt = victim.ckpt, None
-            self.device_ckpts -= 1
-            if self.host is not None and self._host_room(self.ckpt_bytes) and id(victim) in self.index.lru:
-                victim.host_ckpt = self.host.save(ckpt, self.ckpt_bytes)
+            self._ckpt_to_host(victim)
 
     # ---- host tier ----
     def _host_room(self, nbytes: int) -> bool:
