@@ -72,7 +72,7 @@ def test_device_tier_sessions_match_cache_off(model, reference):
     plans, want = reference
     probe = Engine(model, **GEOMETRY, cache_block=BLOCK)
     outs, hits, eng = _run_sessions(model, plans, 4, cache_block=BLOCK, num_pages=400,
-                                    device_cache_bytes=40 * probe.slot_bytes)
+                                    device_cache_bytes=200 * probe.slot_bytes)
     assert outs == want
     st = eng.stats()
     assert st["prefix_hit_rate"] > 0.5 and st["kda_checkpoints"] > 0, st
