@@ -189,19 +189,20 @@ def test_prompts_shorter_than_a_block_hit(model):
 
 def test_restored_request_equals_recomputed_and_preemption_keeps_blocks(model):
     """A pool so small that requests preempt each other: the preempted request's blocks and state
-    are handed to the cache (the pool then evicts what it needs), and the tokens are the cache-off
-    ones."""
+    go to the host tier (its pages are what the pool needed), it resumes from them, and the
+    tokens are the cache-off ones."""
     rng = np.random.RandomState(3)
     prompts = [list(map(int, rng.randint(0, 256, k))) for k in (50, 45, 60, 33)]
     params = [SamplingParams(max_new_tokens=20, stop_tokens=(), seed=i, temperature=0.8) for i in range(4)]
     off = Engine(model, **GEOMETRY, prefix_cache=False).generate(prompts, params=params)
-    eng = Engine(model, **dict(GEOMETRY, max_batch=4), num_pages=26, cache_block=BLOCK)
+    eng = Engine(model, **dict(GEOMETRY, max_batch=4), num_pages=26, cache_block=BLOCK, host_cache_bytes=1 << 22)
     reqs = [eng.submit(p, sp) for p, sp in zip(prompts, params)]
     while eng.has_work():
         eng.step()
         eng.check_pages()
     assert [r.output for r in reqs] == off
     assert sum(r.preemptions for r in reqs) > 0
+    assert eng.stats()["preempted_restored_tokens"] > 0
 
 
 def test_bad_budgets_are_refused(model):
