@@ -183,6 +183,7 @@ def run_batch(model, input_path: str, output_path: str, tokenizer, defaults: dic
                 bar.update(tokens=len(req.output))
     bar.close()
     summary["seconds"] = time.perf_counter() - t0
+    summary.update({k: v for k, v in engine.stats().items() if k not in summary})  # prefix-cache counters
     summary["tokens_per_s"] = summary["tokens"] / max(summary["seconds"], 1e-9)
     return summary
 

@@ -255,8 +255,10 @@ def _batch(args) -> int:
                         max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
                         prefill_chunk=args.prefill_chunk, progress=not args.quiet)
     print(f"kimik3 batch: {summary['requests']} requests, {summary['tokens']} tokens in {summary['seconds']:.1f}s "
-          f"({summary['tokens_per_s']:.1f} tok/s), {summary['errors']} errors, {summary['skipped']} already done",
-          file=sys.stderr)
+          f"({summary['tokens_per_s']:.1f} tok/s), {summary['errors']} errors, {summary['skipped']} already done; "
+          f"prefix cache: {summary['prefix_hit_tokens']} of {summary['prompt_tokens']} prompt tokens hit "
+          f"({100 * summary['prefix_hit_rate']:.1f}%), {summary['kda_checkpoints']} KDA checkpoints, "
+          f"{summary['evictions']} evictions, {summary['host_restored_bytes']} B restored from host", file=sys.stderr)
     return 0
 
 

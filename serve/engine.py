@@ -24,6 +24,7 @@ from kimik3.runtime import mesh_context, run_mesh
 from kimik3.sampling import check_sampling
 
 from .pages import PageAllocator
+from .prefix_cache import CACHE, PrefixCache
 from .speculation import Speculator, Stopwatch
 from .steps import decode_steps, mixed_step, verify_step
 
@@ -61,6 +62,8 @@ class Request:
     finish_reason: str | None = None
     preemptions: int = 0
     text: str | None = None
+    prefix_hit_tokens: int | None = None  # prompt tokens restored from the prefix cache at admission
+    prefix: object = None  # its place in the prefix cache while it holds a slot
 
     @property
     def logprobs(self) -> list[float] | None:
@@ -84,19 +87,33 @@ class Request:
         span = (self.finished or time.perf_counter()) - (self.first_token or self.submitted)
         return {"prompt_tokens": len(self.prompt), "output_tokens": n, "ttft_s": ttft,
                 "decode_tokens_per_s": (n - 1) / span if n > 1 and span > 0 else None,
-                "preemptions": self.preemptions}
+                "preemptions": self.preemptions, "prefix_hit_tokens": self.prefix_hit_tokens or 0}
+
+
+STOP_SLOTS = 8  # stop tokens the decode loop checks on device (past that, the host still stops)
 
 
 class Engine:
     def __init__(self, model: Model, max_batch: int = 8, max_seq_len: int = 1024, page_size: int = 16,
                  num_pages: int | None = None, memory_budget_bytes: int | None = None,
                  prefill_chunk: int = 32, decode_steps: int = 4, tokenizer=None, backend=None,
-                 dcp_axes: tuple = (), speculative=None, num_speculative_tokens="auto"):
+                 dcp_axes: tuple = (), prefix_cache: bool = True, cache_block: int = 64,
+                 device_cache_bytes: int | None = None, host_cache_bytes: int = 0,
+                 checkpoint_interval: int | None = None, speculative=None, num_speculative_tokens="auto"):
         """memory_budget_bytes: what one device may spend on the cache (MLA pages + KDA state slots);
         the page count follows from it. dcp_axes: decode context parallelism over these axes of
         the mesh the weights are placed on: every cache page's positions are split over them
         (page_size must be a multiple of their size), so each device holds 1/dcp of every
         sequence's MLA history, and a budget buys dcp times the pages.
+
+        prefix_cache: reuse the MLA pages and KDA state of prompt prefixes already computed
+        (serve/prefix_cache.py), in blocks of cache_block tokens (a multiple of page_size).
+        Cached pages share the page pool with running requests (evicted when it runs short);
+        device_cache_bytes bounds the KDA checkpoints kept on device (default: one per slot, the
+        end of each running session's turn), host_cache_bytes the host tier both move to when
+        evicted (0: none). checkpoint_interval: tokens between checkpoints taken inside a long
+        prefill (default: the tokens whose MLA pages weigh as much as one checkpoint, rounded up
+        to a block, so interior checkpoints never outweigh the pages they pair with).
         speculative: None, "ngram" (drafts from the request's own tokens) or a kimik3 Model sharing
         the tokenizer (drafts greedily on its own cache); num_speculative_tokens: "auto" (the
         depth with the most committed tokens per second, measured; 0 = off) or an int 1..7."""
@@ -128,16 +145,37 @@ class Engine:
         # bytes of one page on one device (under DCP each device holds 1/dcp of every page)
         self.page_bytes = sum(item(e["latent"][0][1:], e["latent"][1]) for e in shapes if "latent" in e) // dcp
         self.slot_bytes = sum(item(s[1:], d) for e in shapes if "latent" not in e for s, d in e.values())
+        if prefix_cache:
+            if cache_block < 1 or cache_block % page_size:
+                raise ValueError(f"cache_block={cache_block} must be a positive multiple of page_size={page_size}")
+            if device_cache_bytes is None:
+                device_cache_bytes = max_batch * self.slot_bytes
+            if device_cache_bytes < self.slot_bytes:
+                raise ValueError(f"device_cache_bytes={device_cache_bytes} holds no KDA checkpoint ({self.slot_bytes} B "
+                                 "each): raise it, or prefix_cache=False")
+            block_bytes = cache_block // page_size * self.page_bytes
+            if host_cache_bytes and host_cache_bytes < self.slot_bytes + block_bytes:
+                raise ValueError(f"host_cache_bytes={host_cache_bytes} holds less than one block's pages plus one "
+                                 f"KDA checkpoint ({block_bytes} + {self.slot_bytes} B): raise it, or 0 for no host tier")
+            if checkpoint_interval is None:
+                tokens = math.ceil(self.slot_bytes * page_size / max(self.page_bytes, 1))
+                checkpoint_interval = max(1, math.ceil(tokens / cache_block)) * cache_block
+            if checkpoint_interval < 1 or checkpoint_interval % cache_block:
+                raise ValueError(f"checkpoint_interval={checkpoint_interval} must be a positive multiple of "
+                                 f"cache_block={cache_block}")
+        else:
+            device_cache_bytes = 0
         if num_pages is None:
             if memory_budget_bytes is None:
                 num_pages = max_batch * self.pages_per_seq
             else:
-                left = memory_budget_bytes - max_batch * self.slot_bytes
+                left = memory_budget_bytes - max_batch * self.slot_bytes - device_cache_bytes
                 num_pages = left // max(self.page_bytes, 1) if self.page_bytes else self.pages_per_seq
                 if num_pages < self.pages_per_seq:
                     raise ValueError(
                         f"memory_budget_bytes={memory_budget_bytes} holds {max(num_pages, 0)} cache pages after "
-                        f"{max_batch} KDA state slots ({self.slot_bytes} B each), but one {self.max_seq_len}-token "
+                        f"{max_batch} KDA state slots ({self.slot_bytes} B each) and {device_cache_bytes} B of "
+                        f"prefix-cache checkpoints, but one {self.max_seq_len}-token "
                         f"sequence needs {self.pages_per_seq} pages of {self.page_bytes} B: raise the budget or "
                         "lower max_batch / max_seq_len")
         self.allocator = PageAllocator(int(num_pages))
@@ -158,6 +196,8 @@ class Engine:
         self.done: list[Request] = []
         self._ids = itertools.count()
         self._reset = np.zeros(max_batch, bool)
+        self.prefix = (PrefixCache(self, cache_block, device_cache_bytes, host_cache_bytes, checkpoint_interval)
+                       if prefix_cache else None)
         self.spec = None if speculative is None else Speculator(speculative, num_speculative_tokens)
         if self.spec is not None and hasattr(self.spec.drafter, "check_target"):
             self.spec.drafter.check_target(cfg)
@@ -207,8 +247,32 @@ class Engine:
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
     def check_pages(self):
-        """Allocator invariants: no leaked pages, none owned twice, every holder listed."""
-        self.allocator.check({r.id: r.pages for r in self.running})
+        """Allocator invariants: no leaked pages, none owned twice, every holder listed; with the
+        prefix cache, the cache's own (stats() and reference counts) too."""
+        if self.prefix is None:
+            return self.allocator.check({r.id: r.pages for r in self.running})
+        cached = self.prefix.cached_pages()
+        held = {r.id: [p for p in r.pages if p not in cached] for r in self.running}
+        held[CACHE] = sorted(cached)
+        self.allocator.check(held)
+        self.prefix.check(self.running)
+
+    def stats(self) -> dict:
+        """Counters of this engine's work so far: the prefix cache's (prompt_tokens,
+        prefix_hit_tokens, prefix_hit_rate, kda_checkpoints, host_restored_bytes, evictions, ...;
+        zeros with the cache off) and speculation's (spec_draft_tokens, spec_accepted_tokens,
+        spec_depth and the cycle times the depth was chosen from; zeros with it off)."""
+        if self.prefix is not None:
+            out = self.prefix.stats()
+        else:
+            prompt = sum(len(r.prompt) for r in self.done) + sum(len(r.prompt) for r in self.running)
+            out = {"prompt_tokens": prompt, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0, "kda_checkpoints": 0,
+                   "host_restored_bytes": 0, "evictions": 0}
+        if self.spec is not None:
+            out.update(self.spec.stats())
+        else:
+            out.update(spec_draft_tokens=0, spec_accepted_tokens=0, spec_depth=0)
+        return out
 
     # ---- scheduling ----
     def _admit(self):
@@ -216,13 +280,27 @@ class Engine:
             if self.slots[s] is None and self.waiting:
                 req = self.waiting[0]
                 need = math.ceil((len(req.sequence) + 1) / self.page_size)
-                if self.allocator.free - self._reserve() < need:
+                hit = self.prefix.lookup(req) if self.prefix else None  # pins the hit's pages
+                if hit is not None:
+                    need -= self.prefix.shared_pages(hit)
+                if self._available() - self._reserve() < need:
+                    if hit is not None:
+                        self.prefix.unpin(hit)
                     return  # FIFO: wait for pages rather than let later requests overtake
                 self.waiting.popleft()
                 assert not req.pages, "a waiting request holds no pages"
                 req.slot, req.fed = s, 0
                 self.slots[s] = req
-                self._reset[s] = True
+                self._reset[s] = not (hit is not None and self.prefix.restore(req, hit, s))
+
+    def _available(self) -> int:
+        """Free pages plus cached pages no running request reads (evicted on demand)."""
+        return self.allocator.free + (self.prefix.evictable_pages() if self.prefix else 0)
+
+    def _alloc(self, n: int, owner) -> list[int] | None:
+        if self.prefix is not None and self.allocator.free < n:
+            self.prefix.evict_pages(n)
+        return self.allocator.alloc(n, owner)
 
     def _reserve(self) -> int:
         """Pages running requests still need to reach their next step (admission keeps them)."""
@@ -240,7 +318,9 @@ class Engine:
         return True
 
     def _release(self, req: Request):
-        self.allocator.release(req.pages, req.id)
+        if self.prefix is not None:
+            self.prefix.release(req)  # caches its blocks and final state, hands those pages over
+        self.allocator.release([p for p in req.pages if self.allocator.owner(p) == req.id], req.id)
         req.pages = []
         self.slots[req.slot] = None
         req.slot = None
@@ -248,7 +328,7 @@ class Engine:
     def _ensure_pages(self, req: Request, upto: int) -> bool:
         need = math.ceil(upto / self.page_size) - len(req.pages)
         while need > 0:
-            got = self.allocator.alloc(need, req.id)
+            got = self._alloc(need, req.id)
             if got is not None:
                 req.pages += got
                 return True
@@ -309,7 +389,11 @@ class Engine:
             for r in list(running):
                 if r.slot is None:  # preempted by an earlier row of this loop
                     continue
-                todo = (r.sequence[r.fed:] if r in prefilling else [r.output[-1]])[:T]
+                if r in prefilling:
+                    end = r.fed + T if self.prefix is None else self.prefix.chunk_end(r, r.fed + T)
+                    todo = r.sequence[r.fed:end]
+                else:
+                    todo = [r.output[-1]]
                 if self._ensure_pages(r, r.fed + len(todo)):
                     chunks[id(r)] = todo
                 else:
@@ -329,6 +413,8 @@ class Engine:
                 if self.spec.depth:  # no draft this time: one token, so the next has a chance
                     steps = 1
             tokens = np.zeros(B, np.int32)
+            stops = np.full((B, STOP_SLOTS), -1, np.int32)
+            limit = np.zeros(B, np.int32)
             for r in list(running):
                 if r.slot is None:  # preempted by an earlier row of this loop
                     continue
@@ -338,6 +424,9 @@ class Engine:
             running = self.running
             for r in running:
                 tokens[r.slot], start[r.slot], n_new[r.slot] = r.output[-1], r.fed, 1
+                stop = self._stop_ids(r)
+                stops[r.slot, :len(stop)] = stop
+                limit[r.slot] = r.params.max_new_tokens
         table = np.zeros((B, self.pages_per_seq), np.int32)
         for r in running:
             s, p = r.slot, r.params
@@ -358,9 +447,10 @@ class Engine:
                 sampled = np.asarray(sampled)[None]  # [1, B]
                 lp = lp and tuple(np.asarray(a)[None] for a in lp)
             else:
-                sampled, lp, self.layers = decode_steps(self.model, self.layers, jnp.asarray(tokens),
-                                                        args[0], args[1], steps=steps, **common)
-                sampled = np.asarray(sampled)
+                sampled, fed, lp, self.layers = decode_steps(self.model, self.layers, jnp.asarray(tokens),
+                                                             args[0], args[1], stops=jnp.asarray(stops),
+                                                             limit=jnp.asarray(limit), steps=steps, **common)
+                sampled, n_new = np.asarray(sampled), np.asarray(fed)
                 lp = lp and tuple(np.asarray(a) for a in lp)
         if self.spec is not None and not prefilling:
             self.spec.timed(len(running), 0, clock.seconds / steps)
@@ -368,7 +458,9 @@ class Engine:
         events = []
         for r in running:
             s = r.slot
-            r.fed += int(n_new[s]) if prefilling else steps
+            r.fed += int(n_new[s])
+            if self.prefix is not None:
+                self.prefix.after_step(r)
             if r.fed < len(r.prompt):  # mid-prefill: the sample is not a token yet
                 continue
             if prefilling and r.fed < len(r.sequence):  # recomputing after preemption
@@ -380,6 +472,10 @@ class Engine:
             if kept or r.finished:
                 events.append((r, kept))
         return events
+
+    def _stop_ids(self, r: Request) -> list[int]:
+        """The ids the device steps stop feeding a row at (at most STOP_SLOTS)."""
+        return sorted(stop_set(self.cfg, r.params.stop_tokens))[:STOP_SLOTS]
 
     def _speculate(self, running):
         """One draft-verify-commit cycle for the decoding rows, or None when the controller chose
@@ -407,8 +503,11 @@ class Engine:
         seeds = seeds.astype(np.uint32)
         temp, top_k, top_p = np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32)
         table = np.zeros((B, self.pages_per_seq), np.int32)
+        stops = np.full((B, STOP_SLOTS), -1, np.int32)
         for r in running:
             s, p, d = r.slot, r.params, drafts.get(r.slot, [])
+            stop = self._stop_ids(r)
+            stops[s, :len(stop)] = stop
             tokens[s, 0], tokens[s, 1:1 + len(d)] = r.output[-1], d
             start[s], n_new[s] = r.fed, 1 + len(d)
             table[s, :len(r.pages)] = r.pages
@@ -419,7 +518,7 @@ class Engine:
         with mesh_context(run_mesh(self.model)), clock:
             samples, accepted, lp, self.layers = verify_step(
                 self.model, self.layers, *(jnp.asarray(a) for a in (tokens, start, n_new, table, seeds, gen,
-                                                                    temp, top_k, top_p)),
+                                                                    temp, top_k, top_p, stops)),
                 backend=self.backend, dcp_axes=self.dcp_axes, logprobs=want_lp)
             samples, accepted = np.asarray(samples), np.asarray(accepted)
             lp = lp and tuple(np.asarray(a) for a in lp)
@@ -430,6 +529,8 @@ class Engine:
             a = int(accepted[s])
             self.spec.record(r.id, int(n_new[s]) - 1, a)
             r.fed += a + 1  # the last sampled token and the accepted drafts are now cached
+            if self.prefix is not None:
+                self.prefix.after_step(r)
             rows = None
             if r.params.return_logprobs:
                 rows = [logprob_rows(lp, r.params.top_logprobs, t)[s] for t in range(a + 1)]
@@ -437,16 +538,6 @@ class Engine:
             if kept or r.finished:
                 events.append((r, kept))
         return events
-
-    def stats(self) -> dict:
-        """Counters of this engine's work so far (speculation: drafted / accepted tokens, the
-        depth in use and the cycle times it was chosen from)."""
-        out = {"requests_done": len(self.done)}
-        if self.spec is not None:
-            out.update(self.spec.stats())
-        else:
-            out.update(spec_draft_tokens=0, spec_accepted_tokens=0, spec_depth=0)
-        return out
 
     # ---- user-facing ----
     def stream(self, prompts, params=None):

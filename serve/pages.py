@@ -24,6 +24,16 @@ class PageAllocator:
             self._owner[p] = owner
         return pages
 
+    def owner(self, page: int):
+        return self._owner.get(page)
+
+    def transfer(self, pages: list[int], owner, new_owner):
+        """Hand pages from one owner to another (a request's finished blocks to the prefix cache)."""
+        for p in pages:
+            if self._owner.get(p) != owner:
+                raise AssertionError(f"page {p} handed on by {owner!r} but owned by {self._owner.get(p)!r}")
+            self._owner[p] = new_owner
+
     def release(self, pages: list[int], owner):
         for p in pages:
             if self._owner.get(p) != owner:

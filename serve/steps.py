@@ -39,20 +39,26 @@ def mixed_step(model: Model, layers, tokens, start, n_new, reset, page_table, se
 @functools.partial(jax.jit, static_argnames=("steps", "backend", "dcp_axes", "logprobs"),
                    donate_argnames=("layers",))
 def decode_steps(model: Model, layers, tokens, start, active, page_table, seeds, gen_idx,
-                 temperature, top_k, top_p, steps: int, backend=None, dcp_axes=(), logprobs=False):
+                 temperature, top_k, top_p, stops, limit, steps: int, backend=None, dcp_axes=(),
+                 logprobs=False):
     """`steps` decode steps on device: feed each row's last token, sample the next. Returns the
-    sampled tokens [steps, B], their log-probabilities (None, or (chosen [steps, B], top ids
-    [steps, B, K], top logprobs [steps, B, K]) with `logprobs`) and the layers. Rows with
-    active = 0 are left untouched."""
+    sampled tokens [steps, B], the tokens each row fed [B], their log-probabilities (None, or
+    (chosen [steps, B], top ids [steps, B, K], top logprobs [steps, B, K]) with `logprobs`) and
+    the layers. Rows with active = 0 are left untouched; a row stops feeding once it samples one
+    of its `stops` [B, S] (pad -1) or its token count reaches `limit` [B], so its cache ends
+    exactly at its last kept token (the prefix cache checkpoints that state); samples after that
+    are ignored by the engine."""
     def body(i, carry):
-        layers, tok, start, gen, out, lp_out = carry
+        layers, tok, start, gen, out, live, lp_out = carry
+        act = active * live
         logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tok[:, None], layers, start,
-                                                 active, backend=backend, page_table=page_table,
+                                                 act, backend=backend, page_table=page_table,
                                                  dcp_axes=dcp_axes)
         nxt, lp = sample_step(logits[:, 0], seeds, gen, temperature, top_k, top_p, logprobs)
         if logprobs:
             lp_out = tuple(o.at[i].set(v) for o, v in zip(lp_out, lp))
-        return layers, nxt, start + active, gen + active, out.at[i].set(nxt), lp_out
+        live = live * ((gen + 1 < limit) & ~(nxt[:, None] == stops).any(-1))
+        return layers, nxt, start + act, gen + act, out.at[i].set(nxt), live, lp_out
 
     B = tokens.shape[0]
     out = jnp.zeros((steps, B), jnp.int32)
@@ -61,22 +67,25 @@ def decode_steps(model: Model, layers, tokens, start, active, page_table, seeds,
         K = min(MAX_TOP_LOGPROBS, model.cfg.vocab_size)
         lp_out = (jnp.zeros((steps, B), jnp.float32), jnp.zeros((steps, B, K), jnp.int32),
                   jnp.zeros((steps, B, K), jnp.float32))
-    layers, _, _, _, out, lp_out = jax.lax.fori_loop(0, steps, body,
-                                                     (layers, tokens, start, gen_idx, out, lp_out))
-    return out, lp_out, layers
+    live = jnp.ones_like(active)
+    layers, _, end, _, out, _, lp_out = jax.lax.fori_loop(
+        0, steps, body, (layers, tokens, start, gen_idx, out, live, lp_out))
+    return out, end - start, lp_out, layers
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "dcp_axes", "logprobs"), donate_argnames=("layers",))
 def verify_step(model: Model, layers, tokens, start, n_new, page_table, seeds, gen_idx,
-                temperature, top_k, top_p, backend=None, dcp_axes=(), logprobs: bool = False):
+                temperature, top_k, top_p, stops, backend=None, dcp_axes=(), logprobs: bool = False):
     """Speculative verify: tokens [B, 1 + k] are each row's last sampled token then k drafts (row b
     uses its first n_new[b]). The target samples a token after every position with the key it
     would use without speculation (index gen_idx + t), accepts drafts while they equal its own
     samples, and keeps the cache of the accepted prefix only. For a deterministic drafter this is
     exact rejection sampling (a draft d is kept with probability p(d); on a miss the target's
     sample is drawn from p restricted to the other tokens), and the committed tokens are the ones
-    plain decoding with the same seed produces. Returns (samples [B, 1 + k], accepted drafts [B],
-    logprobs of every position or None, layers): row b commits samples[b, :accepted[b] + 1]."""
+    plain decoding with the same seed produces. A row whose samples reach one of its `stops`
+    [B, S] (pad -1) keeps nothing past it, as decode_steps stops feeding there. Returns (samples
+    [B, 1 + k], accepted drafts [B], logprobs of every position or None, layers): row b commits
+    samples[b, :accepted[b] + 1]."""
     B, T = tokens.shape
     logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tokens, layers, start, n_new,
                                              backend=backend, page_table=page_table, dcp_axes=dcp_axes,
@@ -87,6 +96,10 @@ def verify_step(model: Model, layers, tokens, start, n_new, page_table, seeds, g
     lp = tuple(jnp.stack(a) for a in zip(*[p for _, p in per_pos])) if logprobs else None  # [T, B, ..]
     drafts_ok = (tokens[:, 1:] == samples[:, :-1]) & (jnp.arange(1, T) < n_new[:, None])
     accepted = jnp.sum(jnp.cumprod(drafts_ok.astype(jnp.int32), axis=1), axis=1)
+    is_stop = (samples[:, :, None] == stops[:, None, :]).any(-1)  # [B, T]
+    first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), T)
+    accepted = jnp.minimum(accepted, first_stop)
     keep = jnp.where(n_new > 0, accepted + 1, 0)  # fed tokens whose cache entries stay
     layers = tuple(e if "latent" in e else keep_positions(e, keep) for e in layers)
     return samples, accepted, lp, layers
+

@@ -1,0 +1,234 @@
+"""The prefix cache: multi-turn sessions give the tokens the engine gives with the cache off (greedy
+and seeded sampling), on device only, with a host tier and under constant eviction; restored KDA
+checkpoints are the state at exactly their position; pages and reference counts stay consistent
+after every step."""
+import numpy as np
+import pytest
+
+from serve import Engine, SamplingParams
+from serve.cache_ops import read_state
+
+# one engine geometry for every run, so the jitted steps compile once
+GEOMETRY = dict(max_batch=6, max_seq_len=160, page_size=8, prefill_chunk=16, decode_steps=3)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models["tiny"]
+
+
+def _sessions(n, turns, seed):
+    """n sessions x turns of (user tokens, sampling params): three shared system prompts (one
+    shorter than a block), ragged user turns (shorter and longer than a block), and the last third
+    of the sessions branching off an earlier session after its first turn."""
+    rng = np.random.RandomState(seed)
+    systems = [list(map(int, rng.randint(0, 256, k))) for k in (9, 23, 40)]
+    plans = []
+    for s in range(n):
+        parent = s - 2 * n // 3 if s >= 2 * n // 3 else None
+        users = [list(map(int, rng.randint(0, 256, rng.randint(1, 22)))) for _ in range(turns)]
+        sampled = s % 2 == 1
+        params = [SamplingParams(max_new_tokens=int(rng.randint(1, 6)), temperature=0.9 if sampled else 0.0,
+                                 top_p=0.95, seed=1000 * s + t, stop_tokens=(int(rng.randint(0, 256)),))
+                  for t in range(turns)]
+        plans.append(dict(system=systems[s % 3], parent=parent, users=users, params=params))
+    return plans
+
+
+def _run_sessions(model, plans, turns, check=True, **kw):
+    """Drive the sessions turn by turn (each turn re-sends the whole conversation); returns every
+    request's output tokens, each request's prefix hit, and the engine."""
+    eng = Engine(model, **GEOMETRY, **kw)
+    hist = [list(p["system"]) for p in plans]
+    outs, hits = {}, {}
+    for t in range(turns):
+        reqs = {}
+        for s, p in enumerate(plans):
+            if t == 1 and p["parent"] is not None:  # branch: the parent's first turn, then its own
+                hist[s] = list(hist[p["parent"]])
+            hist[s] += p["users"][t]
+            reqs[s] = eng.submit(hist[s], p["params"][t], request_id=(s, t))
+        while eng.has_work():
+            eng.step()
+            if check:
+                eng.check_pages()
+        for s, r in reqs.items():
+            assert r.finish_reason in ("stop", "length"), r.finish_reason
+            outs[s, t], hits[s, t] = r.output, r.metrics["prefix_hit_tokens"]
+            hist[s] += r.output
+    return outs, hits, eng
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    plans = _sessions(30, 4, 0)
+    outs, hits, eng = _run_sessions(model, plans, 4, check=False, prefix_cache=False)
+    assert not any(hits.values()) and eng.stats()["prefix_hit_tokens"] == 0
+    return plans, outs
+
+
+def test_device_tier_sessions_match_cache_off(model, reference):
+    plans, want = reference
+    probe = Engine(model, **GEOMETRY, cache_block=BLOCK)
+    outs, hits, eng = _run_sessions(model, plans, 4, cache_block=BLOCK, num_pages=400,
+                                    device_cache_bytes=200 * probe.slot_bytes)
+    assert outs == want
+    st = eng.stats()
+    assert st["prefix_hit_rate"] > 0.5 and st["kda_checkpoints"] > 0, st
+    assert st["prefix_hit_tokens"] == sum(hits.values())
+    assert all(hits[s, t] > 0 for s in range(30) for t in range(1, 4))  # every later turn hits
+    assert eng.allocator.free + eng.prefix.evictable_pages() == eng.allocator.num_pages  # nothing pinned
+
+
+def test_host_tier_sessions_match_cache_off(model, reference):
+    """A device tier of 2 checkpoints and a page pool for ~3 sessions: the rest lives on host and
+    comes back on hits."""
+    plans, want = reference
+    probe = Engine(model, **GEOMETRY, cache_block=BLOCK)
+    outs, hits, eng = _run_sessions(model, plans, 4, cache_block=BLOCK, num_pages=60,
+                                    device_cache_bytes=2 * probe.slot_bytes, host_cache_bytes=1 << 22)
+    assert outs == want
+    st = eng.stats()
+    assert st["host_restored_bytes"] > 0 and st["evictions"] > 0 and st["prefix_hit_rate"] > 0.5, st
+    assert st["host_bytes"] <= 1 << 22
+
+
+def test_tiny_budget_constant_eviction_matches_cache_off(model, reference):
+    """One device checkpoint, no host tier, a pool barely over one sequence: everything cached is
+    evicted again and again, and waits for pinned pages instead of touching them."""
+    plans, want = reference
+    probe = Engine(model, **GEOMETRY, cache_block=BLOCK)
+    outs, hits, eng = _run_sessions(model, plans[:12], 4, cache_block=BLOCK, num_pages=24,
+                                    device_cache_bytes=probe.slot_bytes)
+    assert outs == {k: v for k, v in want.items() if k[0] < 12}
+    assert eng.stats()["evictions"] > 20
+
+
+def _fresh_state(model, tokens):
+    """The KDA state after prefilling `tokens` alone (cache off, the same chunks of 16)."""
+    eng = Engine(model, **GEOMETRY, prefix_cache=False)
+    r = eng.submit(tokens, SamplingParams(max_new_tokens=1, stop_tokens=()))
+    slot = None
+    while eng.has_work():
+        slot = r.slot if r.slot is not None else slot
+        eng.step()
+    return read_state(eng.layers, slot)
+
+
+def test_checkpoints_hold_the_state_at_their_position(model):
+    """sglang #31474 (a restored state that is not the state at its position) and vllm #41292
+    (state layout in chunked prefill): three requests prefill side by side in different slots with
+    chunks cut at their checkpoints; every prefill checkpoint equals, bitwise, a fresh prefill of
+    exactly its prefix, and the end-of-request ones (after decode) equal it to rounding."""
+    rng = np.random.RandomState(5)
+    shared = list(map(int, rng.randint(0, 256, 37)))
+    prompts = [shared + list(map(int, rng.randint(0, 256, k))) for k in (3, 30, 11)]
+    eng = Engine(model, **GEOMETRY, cache_block=BLOCK)
+    reqs = [eng.submit(p, SamplingParams(max_new_tokens=4, stop_tokens=()), request_id=i)
+            for i, p in enumerate(prompts)]
+    while eng.has_work():
+        eng.step()
+    checked = 0
+    for node in eng.prefix.index.nodes():
+        if node.ckpt is None:
+            continue
+        path, n = [], node
+        while n.parent is not None:
+            path.append(n)
+            n = n.parent
+        prefix = next(list(r.sequence[:node.depth]) for r in reqs
+                      if len(r.sequence) >= node.depth and _covers(r.sequence, path))
+        want = _fresh_state(model, prefix)
+        from_decode = node.depth not in _prefill_ends(prompts, eng.prefix.interval)
+        for a, b in zip(node.ckpt, want):
+            for k in a:
+                if from_decode:
+                    np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), rtol=1e-4, atol=1e-5)
+                else:
+                    np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+        checked += 1
+    assert checked >= 4
+
+
+def _covers(seq, path):
+    """Whether seq starts with the tokens of the node chain `path` (deepest first)."""
+    from serve.prefix_index import chain_key
+
+    key, pos = b"", 0
+    for n in reversed(path):
+        key = chain_key(key, seq[pos:pos + n.length])
+        pos += n.length
+        if key != n.key:
+            return False
+    return True
+
+
+def _prefill_ends(prompts, interval):
+    ends = {len(p) for p in prompts}
+    return ends | {k for p in prompts for k in range(interval, len(p), interval)}
+
+
+def test_prompts_shorter_than_a_block_hit(model):
+    """vllm #40696: sessions whose every prompt is shorter than one block still hit (the end of
+    the previous turn is a checkpoint inside the block)."""
+    eng = Engine(model, **GEOMETRY, cache_block=64)
+    hist, hits, ends = [1, 2, 3], [], [0]
+    for t in range(3):
+        hist += [10 + t, 20 + t]
+        r = eng.submit(list(hist), SamplingParams(max_new_tokens=3, stop_tokens=()))
+        while eng.has_work():
+            eng.step()
+            eng.check_pages()
+        hits.append(r.metrics["prefix_hit_tokens"])
+        ends.append(len(hist) + 2)  # where its state ends: prompt and all but the last output token
+        hist += r.output
+    assert len(hist) < 64
+    assert hits == ends[:3], (hits, ends)
+
+
+def test_restored_request_equals_recomputed_and_preemption_keeps_blocks(model):
+    """A pool so small that requests preempt each other: the preempted request's blocks and state
+    go to the host tier (its pages are what the pool needed), it resumes from them, and the
+    tokens are the cache-off ones."""
+    rng = np.random.RandomState(3)
+    prompts = [list(map(int, rng.randint(0, 256, k))) for k in (50, 45, 60, 33)]
+    params = [SamplingParams(max_new_tokens=20, stop_tokens=(), seed=i, temperature=0.8) for i in range(4)]
+    off = Engine(model, **GEOMETRY, prefix_cache=False).generate(prompts, params=params)
+    eng = Engine(model, **dict(GEOMETRY, max_batch=4), num_pages=26, cache_block=BLOCK, host_cache_bytes=1 << 22)
+    reqs = [eng.submit(p, sp) for p, sp in zip(prompts, params)]
+    while eng.has_work():
+        eng.step()
+        eng.check_pages()
+    assert [r.output for r in reqs] == off
+    assert sum(r.preemptions for r in reqs) > 0
+    assert eng.stats()["preempted_restored_tokens"] > 0
+
+
+def test_bad_budgets_are_refused(model):
+    probe = Engine(model, **GEOMETRY, cache_block=BLOCK)
+    with pytest.raises(ValueError, match="device_cache_bytes=.* holds no KDA checkpoint"):
+        Engine(model, **GEOMETRY, device_cache_bytes=probe.slot_bytes - 1)
+    with pytest.raises(ValueError, match="host_cache_bytes=100 holds less than one block"):
+        Engine(model, **GEOMETRY, host_cache_bytes=100)
+    with pytest.raises(ValueError, match="cache_block=12 must be a positive multiple of page_size=8"):
+        Engine(model, **GEOMETRY, cache_block=12)
+    with pytest.raises(ValueError, match="checkpoint_interval=24 must be a positive multiple"):
+        Engine(model, **GEOMETRY, cache_block=BLOCK, checkpoint_interval=24)
+    with pytest.raises(ValueError, match="prefix-cache checkpoints"):
+        Engine(model, **GEOMETRY, memory_budget_bytes=3 * probe.page_bytes * 20 + 6 * probe.slot_bytes,
+               device_cache_bytes=1 << 20)
+
+
+def test_sessions_on_tp_and_dcp_meshes(model, reference):
+    """8 fake devices, TP8 with every page's positions split over the 8 ranks (DCP8) plus a host
+    tier: the one-device cache-off tokens."""
+    import sharding
+
+    plans, want = reference
+    mesh = sharding.make_mesh(tensor=8)
+    placed = sharding.place_model(model, mesh)
+    outs, hits, eng = _run_sessions(placed, plans[:6], 3, cache_block=BLOCK, dcp_axes=("tensor",),
+                                    num_pages=40, host_cache_bytes=1 << 22)
+    assert outs == {k: v for k, v in want.items() if k[0] < 6 and k[1] < 3}
+    assert eng.stats()["prefix_hit_tokens"] > 0
