@@ -63,6 +63,15 @@ def _float_in(low, high=None, low_open=False):
 
 
 _positive = _int_at_least(1)
+
+
+def speculative_depth(s):
+    if s == "auto":
+        return s
+    v = _int_at_least(1)(s)
+    if v > 7:
+        raise argparse.ArgumentTypeError(f"at most 7 (a verify pass takes 8 tokens a row), got {v}")
+    return v
 _non_negative = _int_at_least(0)
 
 
@@ -253,7 +262,8 @@ def _batch(args) -> int:
                         defaults=dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed),
                         max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                        prefill_chunk=args.prefill_chunk, progress=not args.quiet)
+                        prefill_chunk=args.prefill_chunk, speculative=args.speculative,
+                        num_speculative_tokens=args.num_speculative_tokens, progress=not args.quiet)
     print(f"kimik3 batch: {summary['requests']} requests, {summary['tokens']} tokens in {summary['seconds']:.1f}s "
           f"({summary['tokens_per_s']:.1f} tok/s), {summary['errors']} errors, {summary['skipped']} already done; "
           f"prefix cache: {summary['prefix_hit_tokens']} of {summary['prompt_tokens']} prompt tokens hit "
@@ -275,6 +285,10 @@ def _add_batch(sub):
     b.add_argument("--page-size", type=_positive, default=16,
                    help="MLA cache positions per page (a multiple of --dcp)")
     b.add_argument("--prefill-chunk", type=_positive, default=32, help="prompt tokens prefilled per step and request")
+    b.add_argument("--speculative", choices=("ngram",), default=None,
+                   help="speculative decoding: ngram = drafts looked up in the request's own tokens (no weights)")
+    b.add_argument("--num-speculative-tokens", type=speculative_depth, default="auto",
+                   help="draft depth: auto (chosen by measured tokens per second; 0 = off) or 1..7")
     add_mesh_flags(b)
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     add_common_flags(b)

@@ -8,13 +8,7 @@ import argparse
 import os
 import sys
 
-
-def _depth(s: str):
-    if s == "auto":
-        return s
-    if s.isdigit() and 1 <= int(s) <= 7:
-        return int(s)
-    raise argparse.ArgumentTypeError(f"expected auto or an integer 1..7, got {s!r}")
+from .cli import speculative_depth
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None = "tiny"):
@@ -37,7 +31,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None =
     p.add_argument("--decode-steps", type=int, default=4, help="decode steps per device call")
     p.add_argument("--speculative", choices=("ngram",), default=None,
                    help="speculative decoding: ngram = drafts looked up in the request's own tokens (no weights)")
-    p.add_argument("--num-speculative-tokens", default="auto", type=_depth,
+    p.add_argument("--num-speculative-tokens", default="auto", type=speculative_depth,
                    help="draft depth: auto (chosen by measured tokens per second; 0 = off) or 1..7")
     p.add_argument("--tensor", type=int, default=1, help="tensor parallelism over this many devices")
     p.add_argument("--dcp", type=int, default=1,

@@ -183,3 +183,19 @@ def test_bad_speculation_settings_are_one_line_errors(model):
     other = kimik3.Model(params=model.params, cfg=model.cfg.replace(vocab_size=300))
     with pytest.raises(ValueError, match="vocabulary"):
         Engine(model, max_batch=2, max_seq_len=32, speculative=other)
+
+
+def test_speculation_keeps_prefix_cache_hits(model):
+    """A second turn that extends the first still hits the prefix cache with speculation on (the
+    peers' reported bug: speculation silently disabling hybrid-model prefix hits), and its tokens
+    equal those of an engine with neither."""
+    first = [1] + list(range(40, 110))  # longer than one 64-token block
+    eng = Engine(model, **SHAPE, speculative=NgramDrafter(min_n=1), num_speculative_tokens=3)
+    out1 = eng.generate([first], max_new_tokens=6, stop_tokens=[])[0]
+    second = first + list(out1) + [7, 8, 9]
+    out2 = eng.generate([second], max_new_tokens=6, stop_tokens=[])[0]
+    s = eng.stats()
+    assert s["prefix_hit_tokens"] >= 64, s
+    plain = Engine(model, **SHAPE, prefix_cache=False)
+    assert [list(out1), list(out2)] == [list(o) for o in plain.generate([first, second], max_new_tokens=6,
+                                                                          stop_tokens=[])]
