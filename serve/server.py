@@ -70,9 +70,26 @@ class ChatBody(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
-def logprobs_supported() -> bool:
-    """Whether the engine build records per-token log-probabilities on its requests."""
-    return "logprobs" in Request.__dataclass_fields__
+def _wanted_logprobs(body) -> int | None:
+    """How many alternatives a request asks for per token (None: no logprobs): completions'
+    `logprobs: N`, chat's `logprobs: true` + `top_logprobs: N`."""
+    if isinstance(body.logprobs, bool):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
+
+
+def logprobs_json(tokenizer, ids, chosen, tops, chat: bool, offset: int = 0) -> dict:
+    """OpenAI's logprobs object for generated ids: chat's {"content": [{token, logprob, bytes,
+    top_logprobs}]}, or completions' {tokens, token_logprobs, top_logprobs, text_offset}."""
+    text = [tokenizer.decode([t]) for t in ids]
+    if chat:
+        return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
+                             "top_logprobs": [{"token": (a := tokenizer.decode([i])), "logprob": v,
+                                               "bytes": list(a.encode())} for i, v in top.items()]}
+                            for s, lp, top in zip(text, chosen, tops)]}
+    offsets = [offset + sum(len(x) for x in text[:j]) for j in range(len(text))]
+    return {"tokens": text, "token_logprobs": chosen, "text_offset": offsets,
+            "top_logprobs": [{tokenizer.decode([i]): v for i, v in top.items()} for top in tops]}
 
 
 def _stop_strings(stop) -> tuple:
@@ -93,7 +110,9 @@ def sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
                           temperature=1.0 if body.temperature is None else body.temperature,
                           top_k=max(body.top_k or 0, 0), top_p=1.0 if body.top_p is None else body.top_p,
                           seed=secrets.randbits(31) if body.seed is None else body.seed,
-                          stop_tokens=() if body.ignore_eos else None, stop_strings=_stop_strings(body.stop))
+                          stop_tokens=() if body.ignore_eos else None, stop_strings=_stop_strings(body.stop),
+                          return_logprobs=_wanted_logprobs(body) is not None,
+                          top_logprobs=_wanted_logprobs(body) or 0)
 
 
 def _message_text(message: dict) -> dict:
@@ -265,14 +284,9 @@ def build_app(aengine: AsyncEngine, tokenizer, model_name: str, devices: int = 1
         except ValueError as e:
             raise APIError(400, str(e), None)
 
-    def check_logprobs(wanted: bool):
-        if wanted and not logprobs_supported():
-            raise APIError(400, "logprobs not supported by this engine build: leave logprobs unset", "logprobs")
-
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
         check_model(body)
-        check_logprobs(body.logprobs is not None)
         if body.echo:
             raise APIError(400, "echo is not supported: leave it false", "echo")
         prompt = body.prompt
@@ -288,8 +302,8 @@ def build_app(aengine: AsyncEngine, tokenizer, model_name: str, devices: int = 1
         rid = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
 
-        def choice(text, reason, tokens):
-            c = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        def choice(text, reason, tokens, logprobs=None):
+            c = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
             return {**c, "token_ids": tokens} if body.return_token_ids else c
 
         return await respond(body, stream, ids, head, choice, "text_completion")
@@ -297,7 +311,6 @@ def build_app(aengine: AsyncEngine, tokenizer, model_name: str, devices: int = 1
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody):
         check_model(body)
-        check_logprobs(body.logprobs or body.top_logprobs is not None)
         if not body.messages:
             raise APIError(400, "messages is empty: send at least one message", "messages")
         try:
@@ -311,16 +324,25 @@ def build_app(aengine: AsyncEngine, tokenizer, model_name: str, devices: int = 1
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
 
-        def choice(text, reason, tokens, delta=False):
+        def choice(text, reason, tokens, logprobs=None, delta=False):
             c = {"index": 0, "delta" if delta else "message": ({"content": text} if delta else
                                                               {"role": "assistant", "content": text}),
-                 "logprobs": None, "finish_reason": reason}
+                 "logprobs": logprobs, "finish_reason": reason}
             return {**c, "token_ids": tokens} if body.return_token_ids else c
 
         return await respond(body, stream, ids, head, choice, "chat.completion")
 
     async def respond(body, stream, prompt, head, choice, kind):
         text = TextStream(tokenizer, stream.request.params.stop_strings)
+        req, chat = stream.request, kind == "chat.completion"
+
+        def logprobs(start: int, ids: list[int]):
+            """The logprobs object of req's output tokens start.. (ids), when asked for."""
+            if not req.params.return_logprobs or not ids:
+                return None
+            end = start + len(ids)
+            return logprobs_json(tokenizer, ids, req.logprobs[start:end], req.top_logprobs[start:end], chat,
+                                 offset=len(tokenizer.decode(list(req.output[:start]))))
         if not body.stream:
             tokens, last = [], None
             try:
@@ -334,7 +356,8 @@ def build_app(aengine: AsyncEngine, tokenizer, model_name: str, devices: int = 1
             usage = _usage(len(prompt), len(tokens), last.metrics)
             metrics.finished(usage, last.metrics.get("ttft_s"))
             out = text.push(tokens, last.text, finished=True)
-            return {**head, "choices": [choice(out, _finish_reason(last.finish_reason), tokens)], "usage": usage}
+            return {**head, "choices": [choice(out, _finish_reason(last.finish_reason), tokens, logprobs(0, tokens))],
+                    "usage": usage}
 
         chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
         include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -342,32 +365,32 @@ def build_app(aengine: AsyncEngine, tokenizer, model_name: str, devices: int = 1
         def chunk(choices, usage=None):
             return _sse({**head, "object": chunk_kind, "choices": choices, **({"usage": usage} if usage else {})})
 
-        def piece(out, reason, tokens):
-            if kind == "chat.completion":
-                return choice(out, reason, tokens, delta=True)
-            return choice(out, reason, tokens)
+        def piece(out, reason, tokens, start):
+            if chat:
+                return choice(out, reason, tokens, logprobs(start, tokens), delta=True)
+            return choice(out, reason, tokens, logprobs(start, tokens))
 
         async def events():
             n = 0
             try:
                 if kind == "chat.completion":
-                    first = choice("", None, [], delta=True)
+                    first = choice("", None, [], None, delta=True)
                     first["delta"]["role"] = "assistant"
                     yield chunk([first])
                 async for d in stream:
-                    n += len(d.tokens)
+                    start, n = n, n + len(d.tokens)
                     out = text.push(d.tokens, d.text, finished=d.finished)
                     if d.finished:
                         if d.finish_reason.startswith("error") or d.finish_reason == "abort":
                             yield _sse(error_body(f"the request failed: {d.finish_reason}", "server_error", None, 503))
                             break
-                        yield chunk([piece(out, _finish_reason(d.finish_reason), d.tokens)])
+                        yield chunk([piece(out, _finish_reason(d.finish_reason), d.tokens, start)])
                         usage = _usage(len(prompt), n, d.metrics)
                         metrics.finished(usage, d.metrics.get("ttft_s"))
                         if include_usage:
                             yield chunk([], usage)
-                    elif out or body.return_token_ids:
-                        yield chunk([piece(out, None, d.tokens)])
+                    elif out or body.return_token_ids or req.params.return_logprobs:
+                        yield chunk([piece(out, None, d.tokens, start)])
                 yield "data: [DONE]\n\n"
             finally:  # also runs when the client disconnects (the generator is cancelled or closed)
                 stream.cancel()

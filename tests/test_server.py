@@ -12,7 +12,7 @@ import kimik3
 from kimik3.tokenizer import ByteTokenizer
 from serve import Engine
 from serve.async_engine import AsyncEngine
-from serve.server import ServerThread, TextStream, build_app, logprobs_supported
+from serve.server import ServerThread, TextStream, build_app
 
 ENGINE_SHAPE = dict(max_batch=4, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=2)
 
@@ -180,14 +180,33 @@ def test_chat_errors_and_malformed_json(served):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
-def test_logprobs_without_engine_support_is_a_400(served):
-    _, client, _, _ = served
-    assert not logprobs_supported()  # this engine build records no per-token log-probabilities
-    with pytest.raises(openai.BadRequestError, match="logprobs not supported"):
-        client.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="logprobs not supported"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                       logprobs=True, top_logprobs=2)
+def test_logprobs_equal_the_engines(served, model):
+    """completions (logprobs=N), chat (logprobs + top_logprobs) and a chat stream carry the chosen
+    tokens' log-probabilities and alternatives that Engine.generate(return_logprobs=True) gives."""
+    _, client, _, tok = served
+    want = Engine(model, tokenizer=tok, **ENGINE_SHAPE).generate(["def f(x):"], max_new_tokens=5, stop_tokens=[],
+                                                                  return_logprobs=True, top_logprobs=2)[0]
+    c = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=5, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    np.testing.assert_allclose(lp.token_logprobs, want.logprobs, rtol=1e-5, atol=1e-6)
+    assert [list(t.values()) for t in lp.top_logprobs] == pytest.approx([list(t.values()) for t in want.top_logprobs])
+    assert lp.tokens == [tok.decode([t]) for t in want] and lp.text_offset[0] == 0
+
+    chat_want = Engine(model, tokenizer=tok, **ENGINE_SHAPE).generate(
+        [tok.apply_chat_template([{"role": "user", "content": "hi"}])], max_new_tokens=4, stop_tokens=[],
+        return_logprobs=True, top_logprobs=2)[0]
+    msgs = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    np.testing.assert_allclose([x.logprob for x in content], chat_want.logprobs, rtol=1e-5, atol=1e-6)
+    assert all(len(x.top_logprobs) == 2 for x in content)
+    streamed = [x.logprob for ch in client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices and ch.choices[0].logprobs
+        for x in ch.choices[0].logprobs.content]
+    np.testing.assert_allclose(streamed, chat_want.logprobs, rtol=1e-5, atol=1e-6)
 
 
 def test_queue_over_its_bound_gets_503_and_the_server_lives_on(served):
