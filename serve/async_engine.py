@@ -86,7 +86,7 @@ class AsyncEngine:
         """Load figures for /metrics and /health (read without the engine thread: approximate)."""
         eng = self.engine
         return {"running": sum(r is not None for r in eng.slots), "waiting": len(eng.waiting),
-                "pages_free": eng.allocator.free, "pages_total": eng.allocator.num_pages,
+                "pages_free": eng.available_pages(), "pages_total": eng.allocator.num_pages,
                 "steps": self.steps, "failed_steps": self.failed_steps, "cancelled": self.cancelled,
                 "alive": self._thread.is_alive()}
 

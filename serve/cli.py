@@ -141,8 +141,8 @@ def check_model_flags(args) -> str:
         raise UsageError(f"--model {args.model}: not a directory (a checkpoint is a directory with "
                          "config.json and *.safetensors, or a kimik3.save directory)")
     else:
-        raise UsageError(f"no such checkpoint directory: {args.model} (nor a shipped model or preset: "
-                         f"{', '.join([*kimik3.SHIPPED_MODELS, *kimik3.PRESETS])})")
+        names = dict.fromkeys([*kimik3.PRESETS, *kimik3.SHIPPED_MODELS])  # tiny-code is both
+        raise UsageError(f"no such checkpoint directory: {args.model} (nor a preset: {', '.join(names)})")
     if kind == "preset" and args.mxfp4_layout not in (None, "k3"):
         raise UsageError("--mxfp4-layout applies to checkpoint directories (a preset's random weights "
                          "are built in the K3 layout)")

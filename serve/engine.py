@@ -283,7 +283,7 @@ class Engine:
                 hit = self.prefix.lookup(req) if self.prefix else None  # pins the hit's pages
                 if hit is not None:
                     need -= self.prefix.shared_pages(hit)
-                if self._available() - self._reserve() < need:
+                if self.available_pages() - self._reserve() < need:
                     if hit is not None:
                         self.prefix.unpin(hit)
                     return  # FIFO: wait for pages rather than let later requests overtake
@@ -293,7 +293,7 @@ class Engine:
                 self.slots[s] = req
                 self._reset[s] = not (hit is not None and self.prefix.restore(req, hit, s))
 
-    def _available(self) -> int:
+    def available_pages(self) -> int:
         """Free pages plus cached pages no running request reads (evicted on demand)."""
         return self.allocator.free + (self.prefix.evictable_pages() if self.prefix else 0)
 
