@@ -43,6 +43,7 @@ def engine_factory(args):
     """(factory, tokenizer, model name, devices) from add_engine_arguments' flags: the weights are
     loaded once, factory() builds a fresh Engine over them. ValueError on bad flags."""
     from .cli import check_model_flags, load_model, make_mesh
+    from .engine import Engine  # JAX is imported when an engine is built, not when flags are parsed
 
     model, tokenizer, _ = load_model(args, check_model_flags(args), make_mesh(args))
     dcp_axes = ("dcp",) if args.dcp > 1 else ()

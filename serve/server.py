@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncEngine, QueueFull
-from .engine import Request, SamplingParams
+from .engine import SamplingParams
 
 
 class APIError(Exception):
