@@ -19,6 +19,8 @@ import numpy as np
 
 from kimik3.model import KimiLM, Model, init_cache
 
+from .steps import _reset_rows
+
 
 class NgramDrafter:
     """Suffix lookup over a request's tokens: the last `n` tokens (n from max_n down to min_n) are
@@ -58,9 +60,7 @@ def _sync_and_draft(model: Model, layers, lengths, tokens, n_new, reset, first, 
     """Feed each row its committed tokens not yet seen (tokens [B, T], the first n_new[b] real) and
     keep that cache; then, from each row's newest token `first` [B], draft k tokens greedily on a
     copy that is dropped, so rejected drafts never enter the drafter's state."""
-    layers = tuple(e if "latent" in e else
-                   {n: jnp.where(reset.reshape((-1,) + (1,) * (v.ndim - 1)), 0, v) for n, v in e.items()}
-                   for e in layers)
+    layers = tuple(_reset_rows(e, reset) for e in layers)
     lengths = jnp.where(reset, 0, lengths)
     net = KimiLM(model.cfg)
     _, layers = net.apply({"params": model.params}, tokens, layers, lengths, n_new, backend=backend)
