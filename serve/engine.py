@@ -113,7 +113,8 @@ class Engine:
         end of each running session's turn), host_cache_bytes the host tier both move to when
         evicted (0: none). checkpoint_interval: tokens between checkpoints taken inside a long
         prefill (default: the tokens whose MLA pages weigh as much as one checkpoint, rounded up
-        to a block, so interior checkpoints never outweigh the pages they pair with).
+        to a multiple of the block and of prefill_chunk, so interior checkpoints never outweigh
+        the pages they pair with and never cut a chunk short).
         speculative: None, "ngram" (drafts from the request's own tokens) or a kimik3 Model sharing
         the tokenizer (drafts greedily on its own cache); num_speculative_tokens: "auto" (the
         depth with the most committed tokens per second, measured; 0 = off) or an int 1..7."""
@@ -122,7 +123,7 @@ class Engine:
             raise ValueError("max_batch, max_seq_len, page_size, prefill_chunk, decode_steps must be >= 1")
         self.model, self.cfg, self.backend = model, cfg, backend
         self.dcp_axes = tuple(dcp_axes)
-        mesh = run_mesh(model)
+        self.mesh = mesh = run_mesh(model)  # found once: flattening the weights every step costs host time
         dcp = 1
         if self.dcp_axes:
             if mesh is None:
@@ -158,8 +159,12 @@ class Engine:
                 raise ValueError(f"host_cache_bytes={host_cache_bytes} holds less than one block's pages plus one "
                                  f"KDA checkpoint ({block_bytes} + {self.slot_bytes} B): raise it, or 0 for no host tier")
             if checkpoint_interval is None:
+                # the tokens whose MLA pages weigh one checkpoint, rounded up to a multiple of both
+                # the block and the prefill chunk: prefill chunks are cut at checkpoint positions,
+                # and a cut off the chunk grid costs a whole padded chunk call
                 tokens = math.ceil(self.slot_bytes * page_size / max(self.page_bytes, 1))
-                checkpoint_interval = max(1, math.ceil(tokens / cache_block)) * cache_block
+                grid = math.lcm(cache_block, prefill_chunk)
+                checkpoint_interval = max(1, math.ceil(tokens / grid)) * grid
             if checkpoint_interval < 1 or checkpoint_interval % cache_block:
                 raise ValueError(f"checkpoint_interval={checkpoint_interval} must be a positive multiple of "
                                  f"cache_block={cache_block}")
@@ -405,13 +410,13 @@ class Engine:
                 start[r.slot], n_new[r.slot] = r.fed, len(todo)
             steps = 1
         else:
-            steps = self.decode_steps
+            steps, undrafted = self.decode_steps, 0
             if self.spec is not None:
                 events = self._speculate(running)
                 if events is not None:
                     return events
                 if self.spec.depth:  # no draft this time: one token, so the next has a chance
-                    steps = 1
+                    steps, undrafted = 1, self.spec.depth
             tokens = np.zeros(B, np.int32)
             stops = np.full((B, STOP_SLOTS), -1, np.int32)
             limit = np.zeros(B, np.int32)
@@ -440,7 +445,7 @@ class Engine:
                       backend=self.backend, dcp_axes=self.dcp_axes, logprobs=want_lp)
         # on a mesh the MoE layers run in shard_map (dedup / expert parallelism) under it
         clock = Stopwatch()
-        with mesh_context(run_mesh(self.model)), clock:
+        with mesh_context(self.mesh), clock:
             if prefilling:
                 sampled, lp, self.layers = mixed_step(self.model, self.layers, jnp.asarray(tokens), *args,
                                                       jnp.asarray(self._reset), **common)
@@ -453,7 +458,9 @@ class Engine:
                 sampled, n_new = np.asarray(sampled), np.asarray(fed)
                 lp = lp and tuple(np.asarray(a) for a in lp)
         if self.spec is not None and not prefilling:
-            self.spec.timed(len(running), 0, clock.seconds / steps)
+            # a plain call is depth 0's per-token cost; a depth-k cycle that found no draft is
+            # what depth k costs while drafts are missing
+            self.spec.timed(len(running), undrafted, clock.seconds / steps, program=("plain", steps))
         self._reset[:] = False
         events = []
         for r in running:
@@ -490,8 +497,11 @@ class Engine:
                 rows[r.slot] = (r.id, r.sequence, room)
         drafts = self.spec.propose({s: (key, seq) for s, (key, seq, _) in rows.items()}, k,
                                    self.max_batch, self.max_seq_len)
-        drafts = {s: d[:rows[s][2]] for s, d in drafts.items() if d[:rows[s][2]]}
-        if not drafts:
+        rooms = {s: room for s, (_, _, room) in rows.items()}
+        drafts = {s: d[:rooms[s]] for s, d in drafts.items() if d[:rooms[s]]}
+        if not drafts:  # this cycle commits one token a row, as if every draft were rejected
+            for key, _, room in rows.values():
+                self.spec.record(key, 0, 0, offered=room)
             return None
         B = self.max_batch
         for r in list(running):
@@ -515,7 +525,7 @@ class Engine:
             temp[s], top_k[s], top_p[s] = p.temperature, p.top_k, p.top_p
         want_lp = any(r.params.return_logprobs for r in running)
         clock = Stopwatch()
-        with mesh_context(run_mesh(self.model)), clock:
+        with mesh_context(self.mesh), clock:
             samples, accepted, lp, self.layers = verify_step(
                 self.model, self.layers, *(jnp.asarray(a) for a in (tokens, start, n_new, table, seeds, gen,
                                                                     temp, top_k, top_p, stops)),
@@ -527,7 +537,7 @@ class Engine:
         for r in running:
             s = r.slot
             a = int(accepted[s])
-            self.spec.record(r.id, int(n_new[s]) - 1, a)
+            self.spec.record(r.id, int(n_new[s]) - 1, a, offered=rooms.get(s, 0))
             r.fed += a + 1  # the last sampled token and the accepted drafts are now cached
             if self.prefix is not None:
                 self.prefix.after_step(r)

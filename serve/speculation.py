@@ -3,13 +3,15 @@
 The useful figure is committed tokens per second of a whole draft-verify-commit cycle, not the
 acceptance rate: a deeper draft pays only if the extra expected tokens outweigh the longer verify
 pass. So the controller measures both sides and chooses the depth that maximises their ratio:
-- per request, the chance that a draft token is accepted (alpha, counted over its drafts); a row
+- per request, the chance that a draft token is accepted (alpha, counted over the positions it
+  could have drafted: a drafter that finds no draft counts as rejected drafts); a row
   drafting k tokens then commits 1 + alpha + ... + alpha^k tokens on average;
 - per number of running rows (in power-of-two classes), the wall time of a cycle at each depth,
   and of one plain decode token (depth 0: speculation off).
-Depths not yet timed for a class are tried first (the first call of each depth compiles and is
-not timed); after that each cycle runs the best estimate, and every `explore_every` cycles the
-least recently timed depth is re-timed so that the estimates follow the load.
+Plain decoding is timed first; a depth not yet timed is costed optimistically (one plain token a
+cycle), so it is tried only while acceptance could make it pay (the first call of each depth
+compiles and is not timed). Each cycle runs the best estimate, and every `explore_every` cycles
+the least recently timed depth is re-timed so that the estimates follow the load.
 """
 from __future__ import annotations
 
@@ -66,26 +68,32 @@ class Speculator:
         """The depth for the next cycle of these running requests."""
         self.cycles += 1
         cls = _size_class(len(keys))
-        untimed = [k for k in self.depths if (cls, k) not in self.cycle_s]
-        if untimed:
-            choice = untimed[0]
-        elif len(self.depths) > 1 and self.cycles % self.explore_every == 0:
-            choice = min(self.depths, key=lambda k: self.last_timed.get((cls, k), 0))
+        timed = [k for k in self.depths if (cls, k) in self.cycle_s]
+        if len(self.depths) == 1:
+            choice = self.depths[0]
+        elif 0 not in timed:  # plain decoding first: the yardstick every depth is held against
+            choice = 0
+        elif len(timed) > 1 and self.cycles % self.explore_every == 0:
+            choice = min(timed, key=lambda k: self.last_timed.get((cls, k), 0))
         else:
             def rate(k):
+                # an untimed depth is costed optimistically at one plain token a cycle, so it is
+                # tried only while the requests' acceptance says it could beat what is measured
                 tokens = sum(sum(self.alpha(r) ** i for i in range(k + 1)) for r in keys)
-                return tokens / self.cycle_s[(cls, k)]
-            choice = max(self.depths, key=rate)
+                return tokens / self.cycle_s.get((cls, k), self.cycle_s[(cls, 0)])
+            choice = max(self.depths, key=rate)  # ties: the shallower depth
         if choice != self.depth:
             log.info("speculative depth %d -> %d at %d rows (cycle s by depth: %s)", self.depth, choice,
                      len(keys), {k: self.cycle_s.get((cls, k)) for k in self.depths})
         self.depth = choice
         return choice
 
-    def timed(self, rows: int, depth: int, seconds: float):
-        """Record a cycle's wall time (for depth 0: per decode token); a depth's first call compiles."""
-        if depth not in self.compiled:  # jitted shapes span all slots: one compile per depth
-            self.compiled.add(depth)
+    def timed(self, rows: int, depth: int, seconds: float, program=None):
+        """Record a cycle's wall time (for depth 0: per decode token). `program` names the device
+        program that ran (default: the depth's verify); its first call compiles and is not timed."""
+        program = depth if program is None else program
+        if program not in self.compiled:  # jitted shapes span all slots: one compile per program
+            self.compiled.add(program)
             return
         key = (_size_class(rows), depth)
         old = self.cycle_s.get(key)
@@ -99,11 +107,14 @@ class Speculator:
             return self.drafter.propose_batch(rows, k, max_batch, max_seq_len)
         return {s: self.drafter.propose(key, seq, k) for s, (key, seq) in rows.items()}
 
-    def record(self, key, drafted: int, accepted: int):
+    def record(self, key, drafted: int, accepted: int, offered: int | None = None):
+        """A row's cycle: `drafted` tokens proposed, `accepted` of them kept, out of `offered`
+        positions it could have drafted (a drafter that finds nothing wastes the cycle as surely
+        as rejected drafts do, so the request's acceptance counts offered positions)."""
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
         c = self.per_request.setdefault(key, [0, 0])
-        c[0] += drafted
+        c[0] += drafted if offered is None else max(offered, drafted)
         c[1] += accepted
 
     def forget(self, key):

@@ -175,6 +175,26 @@ def test_depth_controller_maximises_committed_tokens_per_second():
     assert s.stats()["spec_depth"] == 0
 
 
+def test_depth_controller_turns_itself_off_when_nothing_is_drafted():
+    # a drafter that never finds a draft (random text): every depth-k cycle commits one token at
+    # the cost of a one-step call, so after trying each depth once the controller stays at 0
+    s = Speculator("ngram", "auto")
+    assert s.choose(["a"]) == 0  # plain decoding is timed first
+    s.timed(1, 0, 1.0, program=("plain", 4))  # compiles: not timed
+    s.timed(1, 0, 0.010, program=("plain", 4))
+    chosen = []
+    for _ in range(30):
+        k = s.choose(["a"])
+        chosen.append(k)
+        if k:
+            s.record("a", 0, 0, offered=k)
+            s.timed(1, k, 0.012, program=("plain", 1))
+        else:
+            s.timed(1, 0, 0.010, program=("plain", 4))
+    assert set(chosen[:6]) > {0} and chosen[-20:] == [0] * 20, chosen
+    assert s.stats()["spec_draft_tokens"] == 0
+
+
 def test_bad_speculation_settings_are_one_line_errors(model):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         Engine(model, max_batch=2, max_seq_len=32, speculative="ngram", num_speculative_tokens=9)

@@ -1,0 +1,114 @@
+"""The HTTP server's cost over the in-process engine it drives, and the agentic session replay
+curve (throughput vs per-user speed), on the K3 slice.
+
+1. overhead: --streams concurrent one-turn streams (--prompt tokens in, --output tokens out), all
+   arriving at once, replayed on the same engine in-process (AsyncEngine) and over HTTP (uvicorn
+   on localhost, the openai client): total tokens/s and TTFT P50 of each, best of two runs after
+   a warm-up run that compiles.
+2. curve: generated coding-agent sessions replayed in-process at each --concurrency, with the
+   prefix cache on and off; the throughput at --target output tokens/s per user at P90, drawn
+   to server.png beside the JSON.
+
+    python -m benchmarks server [--streams 16] [--concurrency 1,4,8,16]
+    python -m benchmarks server --smoke     # CPU: the tiny preset
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import kimik3
+from kimik3.tokenizer import ByteTokenizer
+from serve import Engine
+from serve.agentic_trace import Session, Turn, coding_agent_sessions
+from serve.async_engine import AsyncEngine
+from serve.replay import InProcess, OverHTTP, replay, run_replay, summarize
+from .common import ints_arg
+from .k3_slice import k3_slice
+
+
+def add_args(p):
+    p.add_argument("--streams", type=int, default=16, help="concurrent streams of the overhead part")
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens a stream (default 1024; smoke 32)")
+    p.add_argument("--output", type=int, default=None, help="output tokens a stream (default 256; smoke 8)")
+    p.add_argument("--concurrency", type=ints_arg, default=None, help="sessions in flight (default 1,4,8,16)")
+    p.add_argument("--sessions", type=int, default=16, help="agent sessions of the curve")
+    p.add_argument("--turns", type=int, default=4, help="turns a session")
+    p.add_argument("--target", type=float, default=50.0, help="output tokens/s per user at P90")
+    p.add_argument("--depth", type=int, default=12, help="layers of the K3 slice")
+
+
+def engine_kw(smoke):
+    return dict(max_batch=16, max_seq_len=512 if smoke else 4096, page_size=16, prefill_chunk=32 if smoke else 256,
+                decode_steps=4)
+
+
+async def overhead(rec, model, tok, args, smoke):
+    import openai  # the serve extra: only this part needs it
+
+    from serve.server import ServerThread, build_app
+    prompt, output = args.prompt or (32 if smoke else 1024), args.output or (8 if smoke else 256)
+    blocks = -(-prompt // 64)
+    sessions = [Session(i, 0.0, [Turn(prompt, output, [f"s{i}b{b}" for b in range(blocks)])])
+                for i in range(args.streams)]
+    # prefix cache off: the same prompts run several times and must cost the same every time
+    aengine = AsyncEngine(Engine(model, tokenizer=tok, prefix_cache=False, **engine_kw(smoke)))
+    V = model.cfg.vocab_size
+    runs = {}
+    try:
+        await replay(sessions, InProcess(aengine), 64, V)  # compile
+        for _ in range(2):
+            records, wall = await replay(sessions, InProcess(aengine), 64, V)
+            runs.setdefault("in_process", []).append(summarize(records, wall, 1))
+            server = ServerThread(build_app(aengine, tok, "slice")).start()
+            try:
+                async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                              timeout=None) as client:
+                    records, wall = await replay(sessions, OverHTTP(client, "slice"), 64, V)
+            finally:
+                await asyncio.to_thread(server.stop)
+            runs.setdefault("http", []).append(summarize(records, wall, 1))
+    finally:
+        aengine.close()
+    best = {w: max(rs, key=lambda r: r["total_tokens_per_s"]) for w, rs in runs.items()}
+    rec.details["overhead"] = dict(streams=args.streams, prompt=prompt, output=output, runs=runs)
+    shape = f"{args.streams} streams, {prompt} in / {output} out"
+    rec.row("Server over HTTP (peer: the in-process engine): total tokens/s", shape,
+            best["http"]["total_tokens_per_s"], "tokens/s", peer=best["in_process"]["total_tokens_per_s"],
+            peer_name="in-process")
+    rec.row("Server over HTTP (peer: the in-process engine): TTFT P50", shape, best["http"]["ttft_p50_s"] * 1e3,
+            "ms", peer=best["in_process"]["ttft_p50_s"] * 1e3, peer_name="in-process")
+    rec.log("overhead:", {w: (round(b["total_tokens_per_s"], 1), round(b["ttft_p50_s"] * 1e3, 1))
+                          for w, b in best.items()})
+
+
+def curve(rec, model, tok, args, smoke, prefix_cache):
+    sessions = coding_agent_sessions(args.sessions, args.turns, 256 if smoke else 2048, 32 if smoke else 128,
+                                     32 if smoke else 256, 8 if smoke else 64, 20.0 if smoke else 200.0,
+                                     10.0 if smoke else 100.0, 64, 0)
+    name = "on" if prefix_cache else "off"
+    report = run_replay(sessions, engine_factory=lambda: Engine(model, tokenizer=tok, prefix_cache=prefix_cache,
+                                                                **engine_kw(smoke)),
+                        concurrencies=args.concurrency or ([1, 4] if smoke else [1, 4, 8, 16]),
+                        target=args.target, plot=os.path.join(args.out, f"server-prefix-{name}.png"))
+    rec.details[f"curve_prefix_{name}"] = report
+    at = report["sweep"]["throughput_at_target_per_gpu"]
+    rec.log(f"curve, prefix cache {name}:", [(p["concurrency"], round(p["total_tokens_per_s_per_gpu"], 1),
+                                              p["output_tokens_per_s_per_user_p90"]) for p in report["sweep"]["points"]])
+    rec.row(f"Agentic replay, prefix cache {name}: total tokens/s per GPU at {args.target:g} tok/s/user P90",
+            f"{args.sessions} sessions x {args.turns} turns", at if at is not None else float("nan"), "tokens/s",
+            note=f"prefix hit rate {100 * (report.get('prefix_hit_rate') or 0):.0f}%"
+            + ("" if at is not None else "; no concurrency met the target"))
+
+
+def run(rec, args):
+    smoke = args.smoke
+    cfg = k3_slice(args.depth, smoke)
+    t = time.perf_counter()
+    model = kimik3.init(cfg, seed=0)
+    tok = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)  # output text is only decoded
+    rec.details.update(model=cfg.name, engine=engine_kw(smoke), init_s=time.perf_counter() - t)
+    rec.guard("overhead", lambda: asyncio.run(overhead(rec, model, tok, args, smoke)))
+    for on in (True, False):
+        rec.guard(f"curve prefix {'on' if on else 'off'}", curve, rec, model, tok, args, smoke, on)

@@ -1,0 +1,113 @@
+"""Speculative decoding (depth chosen by measured cycle time) against plain decoding on the K3
+slice: decode tokens/s per batch size on a copying workload and on a non-repetitive one, with the
+depth the controller settled on and the measurements behind it.
+
+- copy: the answer repeats a span the drafter already has, as a code edit re-emits the code it
+  edits. A random-weight model copies nothing on its own, so the drafts come from an oracle that
+  knows the answer (plain decoding's output for the same prompt): the n-gram drafter's best case
+  on such spans, and the upper bound of what speculation gains on this model and device.
+- random: random prompts sampled at temperature 1 (a seed per row) with the n-gram drafter, which
+  finds nothing to draft: the controller should turn speculation off, at little cost.
+Outputs with speculation should equal plain decoding's (same seeds); the rows that differ, and
+where, are recorded (on the GPU the verify pass's kernels round differently from the decode
+step's, so a near-tie can flip a greedy choice).
+
+    python -m benchmarks speculative [--batches 1,16,64] [--new-tokens 192]
+    python -m benchmarks speculative --smoke     # CPU: the tiny preset
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+import kimik3
+from serve import Engine, SamplingParams
+from .common import ints_arg
+from .k3_slice import k3_slice
+
+
+def add_args(p):
+    p.add_argument("--batches", type=ints_arg, default=None, help="batch sizes (default 1,16,64; smoke 2)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per row (default 192)")
+    p.add_argument("--prompt-len", type=int, default=None, help="length of P (default 128; smoke 24)")
+    p.add_argument("--depth", type=int, default=12, help="layers of the K3 slice")
+
+
+class OracleDrafter:
+    """Proposes each request's known answer (plain decoding's output for its prompt)."""
+
+    def __init__(self, prompts, answers):
+        self.prompt_len = {i: len(p) for i, p in enumerate(prompts)}
+        self.answers = dict(enumerate(answers))
+
+    def propose(self, key, tokens, k):
+        done = len(tokens) - self.prompt_len[key]  # answer tokens already committed
+        return list(self.answers[key][done:done + k])
+
+
+def decode(model, B, prompts, params, speculative, max_seq_len):
+    """Prefill, then time the rest: (outputs, decode seconds, committed decode tokens, stats)."""
+    eng = Engine(model, max_batch=B, max_seq_len=max_seq_len, page_size=64, prefill_chunk=256,
+                 decode_steps=8, speculative=speculative, prefix_cache=False)
+    reqs = [eng.submit(p, sp, request_id=i) for i, (p, sp) in enumerate(zip(prompts, params))]
+    while eng.waiting or any(r.fed < len(r.prompt) for r in eng.running):
+        eng.step()
+    jax.block_until_ready(eng.layers)
+    before = sum(len(r.output) for r in reqs)
+    t = time.perf_counter()
+    while eng.has_work():
+        eng.step()
+    jax.block_until_ready(eng.layers)
+    return [list(r.output) for r in reqs], time.perf_counter() - t, sum(len(r.output) for r in reqs) - before, eng.stats()
+
+
+def divergence(a, b):
+    """Per row whose outputs differ: the first position where they do."""
+    return {i: next((j for j, (x, y) in enumerate(zip(r, s)) if x != y), min(len(r), len(s)))
+            for i, (r, s) in enumerate(zip(a, b)) if r != s}
+
+
+def case(rec, model, B, workload, n_new, plen, rng):
+    V = model.cfg.vocab_size
+    prompts = [list(map(int, rng.randint(0, V, plen))) for _ in range(B)]
+    max_len = plen + n_new + 64
+    if workload == "copy":
+        params = [SamplingParams(max_new_tokens=n_new, stop_tokens=()) for _ in range(B)]
+        answers, *_ = decode(model, B, prompts, params, None, max_len)
+        drafter, name = OracleDrafter(prompts, answers), "oracle"
+    else:
+        params = [SamplingParams(max_new_tokens=n_new, temperature=1.0, seed=1000 + i, stop_tokens=())
+                  for i in range(B)]
+        drafter, name = "ngram", "n-gram"
+    runs = {}
+    for spec in (None, drafter, None, drafter):  # the first run of each compiles what it needs
+        runs[spec is None] = decode(model, B, prompts, params, spec, max_len)
+    (plain, t_plain, n_plain, _), (ours, t_spec, n_spec, stats) = runs[True], runs[False]
+    differ = divergence(plain, ours)
+    plain_tps, spec_tps = n_plain / t_plain, n_spec / t_spec
+    rec.details.setdefault("cases", []).append(dict(
+        batch=B, workload=workload, drafter=name, plain_tokens_per_s=plain_tps, spec_tokens_per_s=spec_tps,
+        speedup=spec_tps / plain_tps, rows_differing=len(differ), first_divergence=differ, **stats))
+    acc = stats.get("spec_acceptance")
+    rec.log(f"B{B} {workload}: plain {plain_tps:.1f} tok/s, {name} {spec_tps:.1f} tok/s "
+            f"({spec_tps / plain_tps:.2f}x), depth {stats['spec_depth']}, acceptance {acc}, "
+            f"rows differing {len(differ)}/{B} {differ}")
+    rec.row(f"Speculative decoding, {name} drafts, auto depth (peer: plain decoding)", f"B{B} {workload}",
+            spec_tps, "tokens/s", peer=plain_tps, peer_name="plain",
+            note=f"depth {stats['spec_depth']}, acceptance {0 if acc is None else acc:.2f}, "
+                 f"{len(differ)}/{B} rows differ")
+
+
+def run(rec, args):
+    smoke = args.smoke
+    batches = args.batches or ([2] if smoke else [1, 16, 64])
+    n_new = args.new_tokens or (24 if smoke else 192)
+    plen = args.prompt_len or (24 if smoke else 128)
+    model = kimik3.init(k3_slice(args.depth, smoke), seed=0)
+    rec.details.update(model=model.cfg.name, new_tokens=n_new, prompt_len=plen)
+    rng = np.random.RandomState(0)
+    for B in batches:
+        for workload in ("copy", "random"):
+            rec.guard(f"B{B} {workload}", case, rec, model, B, workload, n_new, plen, rng)
