@@ -2,8 +2,10 @@
 decode, a paged MLA latent cache with a page allocator, a pool of KDA state slots, admission by
 free pages, and preemption (free the pages, recompute later) instead of running out of memory.
 
-Jitted shapes: one mixed step of width `prefill_chunk` and one `decode_steps`-token decode loop,
-both over all `max_batch` slots, so nothing recompiles in steady state.
+Jitted shapes: a mixed step of width `prefill_chunk` (and of a few narrower widths, so a short
+prefill, such as a prompt's tail after a prefix-cache hit, does not pay for a whole chunk) and one
+`decode_steps`-token decode loop, all over the `max_batch` slots, so nothing recompiles in steady
+state.
 """
 from __future__ import annotations
 
@@ -93,6 +95,18 @@ class Request:
 STOP_SLOTS = 8  # stop tokens the decode loop checks on device (past that, the host still stops)
 
 
+MIN_PREFILL_WIDTH = 64  # narrower calls are launch-bound: a few more widths would only add compiles
+
+
+def prefill_widths(chunk: int) -> tuple[int, ...]:
+    """The mixed step's widths, widest first: the chunk, then quarters of it down to 64 tokens;
+    a call takes the narrowest that holds its longest row."""
+    widths = [chunk]
+    while widths[-1] % 4 == 0 and widths[-1] // 4 >= MIN_PREFILL_WIDTH:
+        widths.append(widths[-1] // 4)
+    return tuple(widths)
+
+
 class Engine:
     def __init__(self, model: Model, max_batch: int = 8, max_seq_len: int = 1024, page_size: int = 16,
                  num_pages: int | None = None, memory_budget_bytes: int | None = None,
@@ -140,6 +154,7 @@ class Engine:
         self.pages_per_seq = math.ceil(max_seq_len / page_size)
         self.max_seq_len = self.pages_per_seq * page_size
         self.prefill_chunk, self.decode_steps = prefill_chunk, decode_steps
+        self.prefill_widths = prefill_widths(prefill_chunk)
         self.tokenizer = tokenizer
         shapes = cache_shapes(cfg, max_batch, page_size)
         item = lambda s, d: math.prod(s) * np.dtype(d).itemsize
@@ -388,14 +403,13 @@ class Engine:
         top_k = np.zeros(B, np.int32)
         top_p = np.ones(B, np.float32)
         if prefilling:
-            T = self.prefill_chunk
-            tokens = np.zeros((B, T), np.int32)
             chunks = {}
             for r in list(running):
                 if r.slot is None:  # preempted by an earlier row of this loop
                     continue
                 if r in prefilling:
-                    end = r.fed + T if self.prefix is None else self.prefix.chunk_end(r, r.fed + T)
+                    end = r.fed + self.prefill_chunk
+                    end = end if self.prefix is None else self.prefix.chunk_end(r, end)
                     todo = r.sequence[r.fed:end]
                 else:
                     todo = [r.output[-1]]
@@ -404,6 +418,9 @@ class Engine:
                 else:
                     self._finish(r, "error: the request does not fit in the cache pages")
             running = self.running  # preemption may have removed rows
+            longest = max((len(chunks[id(r)]) for r in running), default=1)
+            T = next(w for w in reversed(self.prefill_widths) if w >= longest)
+            tokens = np.zeros((B, T), np.int32)
             for r in running:
                 todo = chunks[id(r)]
                 tokens[r.slot, :len(todo)] = todo

@@ -151,3 +151,25 @@ def test_engine_with_decode_context_parallelism(tiny_greedy):
         Engine(placed, page_size=6, dcp_axes=("dcp",))
     with pytest.raises(ValueError, match="placed on a mesh"):
         Engine(tiny_greedy.model, dcp_axes=("dcp",))
+
+
+def test_short_prefills_run_in_narrower_calls(model, monkeypatch):
+    """A prefill call takes the narrowest width that holds its longest row (a prompt's tail, a
+    prompt after a prefix-cache hit); the tokens are those of plain generate."""
+    import serve.engine as engine_module
+    from serve.engine import prefill_widths
+
+    assert prefill_widths(2048) == (2048, 512, 128) and prefill_widths(256) == (256, 64)
+    assert prefill_widths(16) == (16,) and prefill_widths(100) == (100,)
+    widths, inner = [], engine_module.mixed_step
+
+    def recording(m, layers, tokens, *args, **kw):
+        widths.append(tokens.shape[1])
+        return inner(m, layers, tokens, *args, **kw)
+    monkeypatch.setattr(engine_module, "mixed_step", recording)
+    prompts = [list(range(3, 303)), list(range(7, 27))]  # 300 tokens: a call of 256, then 44 in 64
+    eng = Engine(model, max_batch=2, max_seq_len=320, page_size=8, prefill_chunk=256, decode_steps=2,
+                 prefix_cache=False)
+    out = eng.generate(prompts, max_new_tokens=5, stop_tokens=[])
+    assert widths == [256, 64]
+    assert out == kimik3.generate(model, prompts, max_new_tokens=5, stop_tokens=[], max_seq_len=320)
