@@ -8,7 +8,10 @@ Where checkpoints come from (the state exists only where a device call ends):
   prefill at the deepest matched block and checkpoints it (Marconi's admission: a shared prefix is
   checkpointed when a second request reaches it),
 * the end of every prompt and of every request (the engine's decode stops feeding a row at its
-  stop token, so the state ends exactly at its last token; the next turn extends it).
+  stop token, so the state ends exactly at its last token; the next turn extends it),
+* the prompt's last block boundary (vLLM's "align" position): a next prompt that shares the
+  prompt's whole blocks but not its tail (a trace of block hashes, a re-rendered last message)
+  still hits there instead of at an earlier interval checkpoint.
 Ends inside a block are "tail" nodes; a request extending one copies its partly filled last page
 before writing (copy-on-write). Cached pages are owned by the allocator owner CACHE; running
 requests pin the nodes whose pages they read. Eviction is LRU over both tiers: device pages and
@@ -150,7 +153,7 @@ class PrefixCache:
     def chunk_end(self, req, end: int) -> int:
         """Where a prefill chunk [req.fed, end) should stop so a checkpoint position ends it."""
         fed = req.fed
-        cands = [c for c in (req.prefix.junction, len(req.prompt)) if fed < c < end]
+        cands = [c for c in (req.prefix.junction, len(req.prompt), self._aligned_end(req)) if fed < c < end]
         k = (end - 1) // self.interval * self.interval
         if k > fed:
             cands.append(k)
@@ -162,8 +165,12 @@ class PrefixCache:
         seq, fed = req.sequence, req.fed
         self._commit(req, min(fed, len(seq)))
         if 0 < fed <= len(seq) and (fed % self.interval == 0 or fed == req.prefix.junction
-                                    or fed == len(req.prompt)):
+                                    or fed in (len(req.prompt), self._aligned_end(req))):
             self._checkpoint(req, fed, final=False)
+
+    def _aligned_end(self, req) -> int:
+        """The prompt's last block boundary (0: the prompt is shorter than a block)."""
+        return len(req.prompt) // self.block * self.block
 
     def release(self, req):
         """The request leaves its slot (finished or preempted): cache what it computed, including

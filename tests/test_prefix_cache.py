@@ -165,7 +165,7 @@ def _covers(seq, path):
 
 
 def _prefill_ends(prompts, interval):
-    ends = {len(p) for p in prompts}
+    ends = {len(p) for p in prompts} | {len(p) // BLOCK * BLOCK for p in prompts}
     return ends | {k for p in prompts for k in range(interval, len(p), interval)}
 
 
@@ -185,6 +185,26 @@ def test_prompts_shorter_than_a_block_hit(model):
         hist += r.output
     assert len(hist) < 64
     assert hits == ends[:3], (hits, ends)
+
+
+def test_a_prompt_sharing_only_whole_blocks_hits_at_the_last_boundary(model):
+    """A next prompt that repeats the previous prompt's whole blocks but not its tail (a trace of
+    block hashes; a re-rendered last message) hits at the previous prompt's last block boundary,
+    not at an earlier interval checkpoint, and gives the cache-off tokens."""
+    rng = np.random.RandomState(11)
+    first = list(map(int, rng.randint(0, 256, 2 * BLOCK + 9)))
+    second = first[:2 * BLOCK] + list(map(int, rng.randint(0, 256, 13)))
+    params = SamplingParams(max_new_tokens=4, stop_tokens=())
+    eng = Engine(model, **GEOMETRY, cache_block=BLOCK, checkpoint_interval=8 * BLOCK)
+    out = []
+    for p in (first, second):
+        r = eng.submit(p, params)
+        while eng.has_work():
+            eng.step()
+            eng.check_pages()
+        out.append(r.output)
+    assert r.metrics["prefix_hit_tokens"] == 2 * BLOCK
+    assert out == Engine(model, **GEOMETRY, prefix_cache=False).generate([first, second], params=[params] * 2)
 
 
 def test_restored_request_equals_recomputed_and_preemption_keeps_blocks(model):

@@ -219,3 +219,19 @@ def test_speculation_keeps_prefix_cache_hits(model):
     plain = Engine(model, **SHAPE, prefix_cache=False)
     assert [list(out1), list(out2)] == [list(o) for o in plain.generate([first, second], max_new_tokens=6,
                                                                           stop_tokens=[])]
+
+
+def test_speculation_on_tp_and_dcp_meshes(tiny_greedy):
+    """The verify pass under TP2 x DCP4 (MLA's T > 1 path over every rank's slice of the pages,
+    KDA keeping every position's state in shard_map) with ragged acceptance and rollback: the
+    tokens are the one-device plain decoding's."""
+    import sharding
+
+    placed = sharding.place_model(tiny_greedy.model, sharding.make_mesh(tensor=2, dcp=4))
+    eng = Engine(placed, max_batch=4, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=3,
+                 dcp_axes=("dcp",), speculative=OracleDrafter(tiny_greedy.prompts, tiny_greedy.tokens, seed=1),
+                 num_speculative_tokens=3)
+    assert eng.generate(tiny_greedy.prompts, max_new_tokens=8, stop_tokens=[]) == tiny_greedy.tokens
+    s = eng.stats()
+    assert 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]
+    eng.check_pages()
