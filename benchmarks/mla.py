@@ -291,7 +291,7 @@ def time_decode(B, ctx, dtype, name, cfg, heads=HEADS):
     R = max(1, min(8, pool_pages() // pages))                     # distinct page tables
     # decodes per timed call: ~0.5 ms of work at 3 TB/s, 2 to 4 (each is one more kernel to
     # compile); five calls are issued back to back, so the dispatch is hidden too
-    n_inner = 2 if A.smoke else int(min(4, max(2, math.ceil(5e-4 * 3e12 / bytes_read))))
+    n_inner = 1 if A.smoke else int(min(4, max(2, math.ceil(5e-4 * 3e12 / bytes_read))))
     perm = np.random.default_rng(0).permutation(pool_pages()).astype(np.int32)
     pts = tuple(jnp.asarray(perm[(r * pages) % (pool_pages() - pages + 1):][:pages]
                             .reshape(B, ctx // PAGE)) for r in range(R))
@@ -308,7 +308,8 @@ def time_decode(B, ctx, dtype, name, cfg, heads=HEADS):
                            backend=A.backend, **cfg) for i in range(n_inner)]
 
     info = {}
-    t_wall = wall_ms(run, qs, cache, pts, lens, cs, n=5, reps=3) * 1e-3 / n_inner
+    n, reps = (1, 1) if A.smoke else (5, 3)
+    t_wall = wall_ms(run, qs, cache, pts, lens, cs, n=n, reps=reps) * 1e-3 / n_inner
     # GPU time from the profiler: the kernels of one decode (the Pallas kernel + the merge and
     # q cast), without the host's launches; the wall clock is kept beside it.
     kt = None if A.smoke else kernel_times(run, qs, cache, pts, lens, cs, reps=5)

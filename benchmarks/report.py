@@ -24,10 +24,10 @@ TIME_UNITS = ("ns", "us", "ms", "s")
 PREAMBLE = """# Benchmarks
 
 Made by `python -m benchmarks report` from `benchmarks/results/*.json`, each benchmark's latest
-run (`python -m benchmarks <name>` writes it); history is in git. Peers ran in the same process on
-identical inputs. **ratio**: times faster than the peer. **% of limit**: of the copy bandwidth
-(read + write) or the bf16 matmul peak measured in the same run. **commit**: the code measured,
-or for rows from before this format the commit that recorded them. Nothing was measured on AMD.
+run; history is in git. Peers ran in the same process on identical inputs. **ratio**: times
+faster than the peer. **% of limit**: of the copy bandwidth (read + write) or the bf16 matmul peak
+measured in the same run. **commit**: the code measured (older rows: the commit that recorded
+them, whose scripts their commands, listed at the end, ran). Nothing was measured on AMD.
 """
 
 
@@ -51,23 +51,31 @@ def ratio(row: dict) -> float | None:
     return row["peer"] / row["ours"] if row["unit"] in TIME_UNITS else row["ours"] / row["peer"]
 
 
+def shown_command(command: str) -> str:
+    """The command as the table shows it: without the environment settings that change only how
+    the older scripts printed or found the package (PYTHONUNBUFFERED, PYTHONPATH)."""
+    return " ".join(w for w in command.split(" ")
+                    if not w.startswith(("PYTHONUNBUFFERED=", "PYTHONPATH=")))
+
+
 def render(runs: list[dict]) -> str:
     areas: dict[str, list[tuple[dict, dict]]] = {}
     for run in runs:
         for row in run["rows"]:
             areas.setdefault(row["area"], []).append((run, row))
     out = [PREAMBLE]
+    commands: list[str] = []  # numbered once for the whole file, listed at its end
     for area, rows in areas.items():
         peers = {r["peer_name"] for _, r in rows if r["peer"] is not None}
         one_peer = peers.pop() if len(peers) == 1 else None
         out.append(f"## {area}" + (f" vs {one_peer}" if one_peer else "") + "\n")
         out.append("| shape | ours | peer | ratio | % of limit | date | device | commit | command |")
         out.append("|---|---|---|---|---|---|---|---|---|")
-        commands: list[str] = []
         for run, r in rows:
             meta = {k: r.get(k) or run[k] for k in ("date", "device", "commit", "command")}
-            if meta["command"] not in commands:
-                commands.append(meta["command"])
+            command = shown_command(meta["command"])
+            if command not in commands:
+                commands.append(command)
             unit = r["unit"]
             peer = "-" if r["peer"] is None else f"{_num(r['peer'])} {unit}" + (
                 "" if one_peer else f", {r['peer_name']}")
@@ -77,10 +85,10 @@ def render(runs: list[dict]) -> str:
             ours = "-" if r["ours"] is None else f"{_num(r['ours'])} {unit}"
             out.append(f"| {r['shape']} | {ours} | {peer} | "
                        f"{'-' if x is None else f'{x:.2f}x'} | {limit} | {meta['date']} | "
-                       f"{meta['device']} | {meta['commit']} | ({commands.index(meta['command']) + 1}) |")
+                       f"{meta['device']} | {meta['commit']} | ({commands.index(command) + 1}) |")
         out.append("")
-        out += [f"({i + 1}) `{c}`  " for i, c in enumerate(commands)]
-        out.append("")
+    out.append("## Commands\n")
+    out += [f"({i + 1}) `{c}`  " for i, c in enumerate(commands)]
     return "\n".join(out).rstrip() + "\n"
 
 
