@@ -4,6 +4,7 @@ token. Prefill/forward use the expanded form; decode and short verifies use the 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -245,6 +246,115 @@ def _softmax_attend(scores, mask, values_fn):
     return values_fn(p)
 
 
+class Heads(NamedTuple):
+    """What every attention path takes: the queries split into their no-position and rotary parts
+    [B, T, H, dn] / [B, T, H, dr], the up-projections w_uk [R, H, dn] / w_uv [R, H, dv] from the
+    latent, the softmax scale, the activation dtype, the fp8 cache's scale (None: not fp8) and the
+    kernel backend."""
+    q_nope: jax.Array
+    q_rope: jax.Array
+    w_uk: jax.Array
+    w_uv: jax.Array
+    scale: float
+    dtype: object
+    cache_scale: object
+    backend: object
+
+
+def write_cache(latent, entries, start, n_new, page_table, cscale, dcp_axes):
+    """The cache with the T new entries [B, T, C] written at positions start + t (padding past
+    n_new dropped), and the page table it is read through. The cache is pages [num_pages, P, C]
+    with a table [B, pages a row]; without a table it is contiguous [B, S, C]: row b is one page."""
+    B, T, _ = entries.shape
+    t = jnp.arange(T)
+    table = jnp.arange(B, dtype=jnp.int32)[:, None] if page_table is None else page_table
+    P = latent.shape[1]
+    pos = start[:, None] + t[None, :]
+    slot = jnp.take_along_axis(table, jnp.clip(pos // P, 0, table.shape[1] - 1), axis=1)
+    slot = jnp.where(t[None, :] < n_new[:, None], slot, latent.shape[0])  # padding: dropped
+    stored = entries if cscale is None else quantize_words(entries, cscale)
+    latent = latent.at[slot, pos % P].set(stored, mode="drop")
+    if dcp_axes:  # the written cache keeps its positions over the DCP axes (no regather)
+        latent = jax.lax.with_sharding_constraint(latent, jax.sharding.PartitionSpec(None, tuple(dcp_axes), None))
+    return latent, table
+
+
+def _absorb(h):
+    return jnp.einsum("bthn,chn->bthc", h.q_nope, h.w_uk, precision=HIGHEST)
+
+
+def _expand(h, o_lat):
+    return jnp.einsum("bthc,chv->bthv", o_lat, h.w_uv, precision=HIGHEST)
+
+
+def decode_kernel(h, latent, table, start, n_new):
+    """One-token decode: the Pallas flash-decoding kernel reads the pages directly (absorbed)."""
+    H = h.q_nope.shape[2]
+    o_lat = per_head_shards(
+        lambda q, latent, table, lengths: mla_decode(q, latent, table, lengths, scale=h.scale,
+                                                     backend=h.backend, cache_scale=h.cache_scale)[0],
+        (jnp.concatenate([_absorb(h), h.q_rope], -1).astype(h.dtype),),
+        (latent, table, (start + n_new).astype(jnp.int32)), H)
+    return _expand(h, o_lat)
+
+
+def over_dcp_shards(h, latent, start, n_new, page_table, dcp_axes):
+    """Decode context parallelism: each rank attends its slice of the positions (absorbed), the
+    partial softmaxes merged exactly over the ranks."""
+    o_lat = dcp_attention(_absorb(h).astype(h.dtype), h.q_rope.astype(h.dtype), latent, start, n_new,
+                          h.scale, dcp_axes, backend=h.backend, page_table=page_table,
+                          cache_scale=h.cache_scale)
+    return _expand(h, o_lat)
+
+
+def absorbed(h, latent, table, start, n_new):
+    """Short passes over a cache (decode on the reference path, verifies): the query projected
+    into latent space attends the whole latent cache; the value up-projection after."""
+    B, T = h.q_nope.shape[:2]
+    P, R = latent.shape[1], h.w_uk.shape[0]
+    S = table.shape[1] * P
+    keys = read_cache(latent[table], h.cache_scale, h.dtype).reshape(B, S, -1)
+    pos = start[:, None] + jnp.arange(T)[None, :]
+    visible_keys = visible(jnp.arange(S), pos, start + n_new)
+    lat_k, rot_k = keys[..., :R], keys[..., R:]
+    scores = (jnp.einsum("bthc,bsc->bhts", _absorb(h), lat_k, precision=HIGHEST)
+              + jnp.einsum("bthr,bsr->bhts", h.q_rope, rot_k, precision=HIGHEST)) * h.scale
+    o_lat = _softmax_attend(scores, visible_keys[:, None], lambda p: jnp.einsum(
+        "bhts,bsc->bthc", p.astype(h.dtype), lat_k, precision=HIGHEST))
+    return _expand(h, o_lat)
+
+
+def long_causal(h, entries, n_new):
+    """A long causal pass without a cache: flash attention (the Pallas kernel at its head
+    dimensions, else the chunked form), no T x T scores."""
+    B, T, H, dn = h.q_nope.shape
+    R, dr, dv = h.w_uk.shape[0], h.q_rope.shape[-1], h.w_uv.shape[-1]
+    k_nope = jnp.einsum("bsc,chn->bshn", entries[..., :R], h.w_uk, precision=HIGHEST)
+    v = jnp.einsum("bsc,chv->bshv", entries[..., :R], h.w_uv, precision=HIGHEST)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(entries[:, :, None, R:], (B, T, H, dr))], -1)
+    qk = jnp.concatenate([h.q_nope, h.q_rope], -1)
+    if (dn + dr, dv) == (QK_DIM, V_DIM):  # the Pallas flash-attention kernel's shapes
+        return per_head_shards(lambda qk, k, v, n: mla_prefill(qk, k, v, n, scale=h.scale, backend=h.backend),
+                               (qk, k, v), (n_new,), H)
+    return mla_prefill_chunked(qk, k, v, n_new, scale=h.scale)[0]
+
+
+def causal(h, entries, n_new):
+    """A causal pass without a cache, expanded form (keys and values per head), over x itself."""
+    B, T = entries.shape[:2]
+    R = h.w_uk.shape[0]
+    t = jnp.arange(T)
+    key_pos = t[None, :].repeat(B, 0)
+    visible_keys = key_pos[:, None, :] <= t[None, :, None]  # [B, T, S]
+    lat_k, rot_k = entries[..., :R], entries[..., R:]
+    k_nope = jnp.einsum("bsc,chn->bshn", lat_k, h.w_uk, precision=HIGHEST)
+    v = jnp.einsum("bsc,chv->bshv", lat_k, h.w_uv, precision=HIGHEST)
+    scores = (jnp.einsum("bthn,bshn->bhts", h.q_nope, k_nope, precision=HIGHEST)
+              + jnp.einsum("bthr,bsr->bhts", h.q_rope, rot_k, precision=HIGHEST)) * h.scale
+    return _softmax_attend(scores, visible_keys[:, None], lambda p: jnp.einsum(
+        "bhts,bshv->bthv", p.astype(h.dtype), v, precision=HIGHEST))
+
+
 class MLA(nn.Module):
     cfg: object
 
@@ -278,81 +388,23 @@ class MLA(nn.Module):
         kv_b = kv_b.reshape(R, H, dn + dv)
         w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]
 
-        t = jnp.arange(T)
-        use_kernel = False
+        h = Heads(q_nope, q_rope, w_uk, w_uv, scale, dt, cscale, backend)
         if cache is None:
-            keys, key_pos = entries, t[None, :].repeat(B, 0)
-            visible_keys = key_pos[:, None, :] <= t[None, :, None]  # [B, T, S]
             new_cache = None
+            o = (long_causal if T > LONG_PREFILL else causal)(h, entries, n_new)
         else:
-            # The cache is pages [num_pages, P, C] and a page table [B, pages per row]; without a
-            # table it is contiguous [B, S, C]: row b is one page of size S.
-            latent = cache["latent"]
-            table = jnp.arange(B, dtype=jnp.int32)[:, None] if page_table is None else page_table
-            P = latent.shape[1]
-            S = table.shape[1] * P
-            pos = start[:, None] + t[None, :]
-            slot = jnp.take_along_axis(table, jnp.clip(pos // P, 0, table.shape[1] - 1), axis=1)
-            slot = jnp.where(t[None, :] < n_new[:, None], slot, latent.shape[0])  # padding: dropped
-            stored = entries if cscale is None else quantize_words(entries, cscale)
-            latent = latent.at[slot, pos % P].set(stored, mode="drop")
-            if dcp_axes:  # the written cache keeps its positions over the DCP axes (no regather)
-                latent = jax.lax.with_sharding_constraint(
-                    latent, jax.sharding.PartitionSpec(None, tuple(dcp_axes), None))
+            latent, table = write_cache(cache["latent"], entries, start, n_new, page_table, cscale,
+                                        dcp_axes)
             new_cache = {"latent": latent}
-            use_kernel = (T == 1 and resolve_backend(backend) != "reference" and R + dr == CACHE_DIM
-                          and not dcp_axes)
             if dcp_axes:
-                q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
-                o_lat = dcp_attention(q_lat.astype(dt), q_rope.astype(dt), latent, start, n_new, scale, dcp_axes,
-                                      backend=backend, page_table=page_table, cache_scale=cscale)
-                o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
-            elif not use_kernel and T <= RECURRENT_MAX_T:  # longer T: history_attention below
-                keys = read_cache(latent[table], cscale, dt).reshape(B, S, R + dr)
-                s = jnp.arange(S)
-                end = start + n_new
-                visible_keys = visible(s, pos, end)
-
-        if use_kernel:  # one-token decode: the Pallas flash-decoding kernel reads the pages directly
-            q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
-            o_lat = per_head_shards(
-                lambda q, latent, table, lengths: mla_decode(q, latent, table, lengths, scale=scale,
-                                                             backend=backend, cache_scale=cscale)[0],
-                (jnp.concatenate([q_lat, q_rope], -1).astype(dt),),
-                (latent, table, (start + n_new).astype(jnp.int32)), H)
-            o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
-        elif dcp_axes:
-            pass  # computed above
-        elif cache is not None and T <= RECURRENT_MAX_T:  # absorbed form
-            lat_k, rot_k = keys[..., :R], keys[..., R:]
-            q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, precision=HIGHEST)
-            scores = (jnp.einsum("bthc,bsc->bhts", q_lat, lat_k, precision=HIGHEST)
-                      + jnp.einsum("bthr,bsr->bhts", q_rope, rot_k, precision=HIGHEST)) * scale
-            o_lat = _softmax_attend(scores, visible_keys[:, None], lambda p: jnp.einsum(
-                "bhts,bsc->bthc", p.astype(dt), lat_k, precision=HIGHEST))
-            o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv, precision=HIGHEST)
-        elif cache is not None:  # chunked prefill over the cached history: no T x S scores
-            o = history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, scale,
-                                  cscale, dt)
-        elif cache is None and T > LONG_PREFILL:  # long causal prefill: no T x T scores
-            k_nope = jnp.einsum("bsc,chn->bshn", entries[..., :R], w_uk, precision=HIGHEST)
-            v = jnp.einsum("bsc,chv->bshv", entries[..., :R], w_uv, precision=HIGHEST)
-            k = jnp.concatenate([k_nope, jnp.broadcast_to(entries[:, :, None, R:], (B, T, H, dr))], -1)
-            qk = jnp.concatenate([q_nope, q_rope], -1)
-            if (dn + dr, dv) == (QK_DIM, V_DIM):  # the Pallas flash-attention kernel's shapes
-                o = per_head_shards(lambda qk, k, v, n: mla_prefill(qk, k, v, n, scale=scale,
-                                                                    backend=backend),
-                                    (qk, k, v), (n_new,), H)
-            else:
-                o, _ = mla_prefill_chunked(qk, k, v, n_new, scale=scale)
-        else:  # expanded form, no cache: causal over x itself
-            lat_k, rot_k = keys[..., :R], keys[..., R:]
-            k_nope = jnp.einsum("bsc,chn->bshn", lat_k, w_uk, precision=HIGHEST)
-            v = jnp.einsum("bsc,chv->bshv", lat_k, w_uv, precision=HIGHEST)
-            scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, precision=HIGHEST)
-                      + jnp.einsum("bthr,bsr->bhts", q_rope, rot_k, precision=HIGHEST)) * scale
-            o = _softmax_attend(scores, visible_keys[:, None], lambda p: jnp.einsum(
-                "bhts,bshv->bthv", p.astype(dt), v, precision=HIGHEST))
+                o = over_dcp_shards(h, latent, start, n_new, page_table, dcp_axes)
+            elif T == 1 and resolve_backend(backend) != "reference" and R + dr == CACHE_DIM:
+                o = decode_kernel(h, latent, table, start, n_new)
+            elif T <= RECURRENT_MAX_T:
+                o = absorbed(h, latent, table, start, n_new)
+            else:  # chunked prefill over the cached history: no T x S scores
+                o = history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, scale,
+                                      cscale, dt)
 
         o = o.reshape(B, T, H * dv).astype(dt)
         if cfg.mla_use_output_gate:
