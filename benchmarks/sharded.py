@@ -89,7 +89,7 @@ import sharding
 from kernels_pallas import resolve_backend
 from kimik3.layers.common import F32, rms_normalize
 from kimik3.layers.mla import CACHE_DIM
-from kimik3.layers.moe import moe_layer_tp, moe_sharded
+from kimik3.layers.moe import moe_layer_tp, moe_sharded, moe_weight_axes
 from kimik3.runtime import mesh_context
 from sharding.moe import count_collectives, per_device_param_bytes
 from .common import ints_arg, names_arg
@@ -521,7 +521,7 @@ def _moe_loop(cfg, mesh, steps, backend, p, x):
 
 def moe_layer_measure(cfg, moe_params, mesh, tokens, dedup, backend):
     c = cfg.replace(moe_dedup=dedup)
-    placed = sharding.place_moe_params(c, moe_params, mesh)
+    placed = sharding.place_moe_params(c, moe_params, mesh, moe_weight_axes(cfg))
     x = replicated(mesh, jax.random.normal(jax.random.key(tokens), (tokens, cfg.hidden_size), F32).astype(cfg.jnp_dtype))
     hlo = moe_layer_tp(cfg, mesh, dedup=dedup, backend=backend).lower(placed, x).compile().as_text()
     loop = jax.jit(functools.partial(_moe_loop, c, mesh, STEPS, backend), out_shardings=x.sharding)
@@ -533,7 +533,7 @@ def moe_layer_measure(cfg, moe_params, mesh, tokens, dedup, backend):
             "layer_us": per_call / STEPS * 1e6, "compile_s": round(compile_s, 2),
             "collectives_per_layer": collectives(hlo),
             "layer_param_bytes_per_gpu": device_bytes(placed)["max"],
-            "layer_param_bytes_per_gpu_rules": per_device_param_bytes(c, moe_params, mesh),
+            "layer_param_bytes_per_gpu_rules": per_device_param_bytes(c, moe_params, mesh, moe_weight_axes(cfg)),
             "timing": f"{REPS} calls x {STEPS} layers (jitted fori_loop, after 1 warm-up call)"}
 
 

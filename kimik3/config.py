@@ -235,6 +235,13 @@ class Config:
     def jnp_param_dtype(self):
         return jnp.dtype(self.param_dtype)
 
+    def param_axes(self) -> dict:
+        """The logical axes of every parameter (kimik3.params.param_axes): what the sharding
+        rules place each weight by."""
+        from .params import param_axes
+
+        return param_axes(self)
+
     def replace(self, **kw) -> "Config":
         return dataclasses.replace(self, **kw)
 

@@ -2,19 +2,12 @@
 (`sharding.memory.memory_report`) over this config's abstract parameter tree."""
 from __future__ import annotations
 
-import functools
-
 from sharding.memory import memory_report as _memory_report
 from .params import abstract
-
-
-@functools.lru_cache(maxsize=8)
-def _abstract(cfg):
-    return abstract(cfg)
 
 
 def memory_report(cfg, **kw) -> dict:
     """Bytes per device: params, mla_cache, kda_state, total, routed_experts, dedup_saved.
     Keywords (tensor, dcp, expert, tokens, batch, cache_dtype, dedup): sharding.memory.memory_report.
     The placement options do not change the tree, so one abstract tree serves them all."""
-    return _memory_report(cfg, _abstract(cfg.replace(moe_dedup=True, moe_placement="auto")), **kw)
+    return _memory_report(cfg, abstract(cfg.replace(moe_dedup=True, moe_placement="auto")), **kw)

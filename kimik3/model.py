@@ -141,8 +141,9 @@ class KimiLM(nn.Module):
             n_new = jnp.full((B,), T, jnp.int32)
         if start is None:
             start = jnp.zeros((B,), jnp.int32)
-        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype,
-                         param_dtype=cfg.jnp_param_dtype, embedding_init=nn.initializers.normal(1.0),
+        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
+                         embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0),
+                                                                     ("vocab", "embed")),
                          name="embed_tokens")
         bank, p = [], embed(tokens)
         new_layers = []
@@ -158,5 +159,5 @@ class KimiLM(nn.Module):
         if cfg.tie_word_embeddings:
             logits = embed.attend(z)
         else:
-            logits = dense(cfg.vocab_size, "lm_head", cfg)(z)
+            logits = dense(cfg.vocab_size, "lm_head", cfg, ("embed", "vocab"))(z)
         return logits.astype(F32), (None if cache_layers is None else tuple(new_layers))

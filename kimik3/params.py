@@ -7,20 +7,39 @@ import math
 import jax
 import jax.numpy as jnp
 
+from sharding.rules import logical_axes, unboxed
+
 from .config import Config
 from .model import KimiLM, Model
 
 
-def _init_fn(cfg: Config):
+def _boxed_init(cfg: Config):
+    """Init returning every parameter boxed with the logical axes its layer declares."""
     def init(key):
         tokens = jnp.zeros((1, 2), jnp.int32)
         return KimiLM(cfg).init(key, tokens)["params"]
     return init
 
 
+def _init_fn(cfg: Config):
+    return lambda key: unboxed(_boxed_init(cfg)(key))
+
+
+@functools.lru_cache(maxsize=8)
+def _boxed_abstract(cfg: Config) -> dict:
+    return jax.eval_shape(_boxed_init(cfg), jax.random.key(0))
+
+
 def abstract(cfg: Config) -> dict:
     """jax.ShapeDtypeStruct per parameter (no memory is allocated)."""
-    return jax.eval_shape(_init_fn(cfg), jax.random.key(0))
+    return unboxed(_boxed_abstract(cfg))
+
+
+def param_axes(cfg: Config) -> dict:
+    """The logical axes of every parameter, as its layer declares them: a tree shaped like
+    `abstract(cfg)` with a tuple of axis names per parameter (one per dimension), from which
+    sharding/rules.py places it. The placement options do not change the tree."""
+    return logical_axes(_boxed_abstract(cfg.replace(moe_dedup=True, moe_placement="auto")))
 
 
 @functools.cache

@@ -26,20 +26,20 @@ def memory_report(cfg, abstract_params, tensor: int = 1, dcp: int = 1, tokens: i
     cache_dtype None: the config's cache (cfg.mla_cache_dtype: "auto", the model dtype, or
     "fp8", 1 byte a value); "float8_e4m3fn" is 1 byte per value.
     "routed_experts": the routed experts' share of "params"; "dedup_saved": the up-projection
-    bytes MoE dedup frees.
+    bytes MoE dedup frees. Parameters are placed by their logical axes (`cfg.param_axes()`).
     """
     mesh = SimpleNamespace(shape={"tensor": tensor, "dcp": dcp, "data": 1, "expert": expert})
     cfg = cfg.replace(moe_dedup=dedup)
     params = experts = dedup_saved = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
-        spec = param_spec(path, leaf.shape, mesh, cfg)
-        names = [str(getattr(k, "key", k)) for k in path]
+    all_axes = jax.tree.leaves(cfg.param_axes(), is_leaf=lambda a: isinstance(a, tuple))
+    for leaf, axes in zip(jax.tree.leaves(abstract_params), all_axes, strict=True):
+        spec = param_spec(axes, leaf.shape, mesh, cfg)
         split = math.prod(mesh.shape[s] for s in spec if s is not None)
         nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
         params += nbytes // split
-        if "experts" in names:
+        if "expert" in axes:
             experts += nbytes // split
-        if "routed_expert_up_proj" in names and split > 1:
+        if "dedup_embed" in axes and split > 1:
             dedup_saved += nbytes - nbytes // split
     if cache_dtype is None and cfg.mla_cache_dtype == "fp8":
         cache_dtype = "float8_e4m3fn"

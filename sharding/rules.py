@@ -1,22 +1,28 @@
-"""Logical placement of every parameter: tensor parallelism over heads, MLP columns and expert
+"""Placement of every parameter from its logical axes: each weight declares what its dimensions
+are where it is declared (`nn.with_logical_partitioning` in kimik3/layers/), and this table maps
+those logical axes to mesh axes. Tensor parallelism over heads, MLP columns and expert
 intermediate columns; routed experts over the `expert` axis (expert parallelism); everything
 else replicated. Outside the MoE a dimension is only split when the axis size divides it, so any
 config runs on any tensor size; the MoE's placement (`moe_axes`) is what its shard_map'd layer
-computes with, and it refuses an expert axis it cannot use."""
+computes with, and it refuses an expert axis it cannot use.
+
+The model-level functions read the logical axes of every parameter from the config:
+`cfg.param_axes()`, a tree of axis-name tuples shaped like the parameter tree (kimik3/params.py
+builds it from the declarations; sharding imports nothing from kimik3)."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-# Projections whose output columns are heads / intermediate units: split the output dim.
-COLUMN = {"q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj", "q_b_proj", "kv_b_proj", "b_proj",
-          "gate_proj", "up_proj", "g_b_proj"}
-# Projections reading those columns back: split the input dim.
-ROW = {"o_proj", "down_proj"}
-# Per-channel KDA parameters laid out along heads.
-PER_CHANNEL = {"q_conv1d", "k_conv1d", "v_conv1d", "dt_bias", "A_log"}
+# Logical axes split over "tensor" where the tensor axis size divides the dimension.
+TENSOR = frozenset({"q_heads", "kv_heads", "v_heads", "kda_heads", "kda_channels", "mlp"})
+# Logical axes the MoE placement decides: the `MoEAxes` field naming their mesh axis.
+MOE = {"expert": "expert", "expert_mlp": "expert_inner", "dedup_embed": "up"}
+# Every other logical axis (vocab, embed, the low ranks, per-head and conv widths, expert scores,
+# the experts' and the latent MoE's model-side widths) stays whole on every rank.
 
 
 class MoEAxes(NamedTuple):
@@ -25,7 +31,7 @@ class MoEAxes(NamedTuple):
     expert: the routed experts' expert dimension (expert parallelism): rank r holds experts
       [r * E_local, (r + 1) * E_local) and computes only the (token, expert) pairs routed to them.
     expert_inner: the routed experts' intermediate dimension (tensor parallelism).
-    shared: the shared experts' intermediate dimension.
+    shared: the shared experts' intermediate dimension (their `mlp` axis: `tensor` where it divides).
     up: the latent up-projection's output columns (MoE dedup: each rank computes the hidden
       coordinates it owns and adds them into the shared experts' partial sum).
     """
@@ -33,10 +39,6 @@ class MoEAxes(NamedTuple):
     expert_inner: str | None = None
     shared: str | None = None
     up: str | None = None
-
-
-def _names(path):
-    return [str(getattr(k, "key", k)) for k in path]
 
 
 def moe_axes(cfg, mesh_shape) -> MoEAxes:
@@ -69,59 +71,47 @@ def moe_axes(cfg, mesh_shape) -> MoEAxes:
         up=split(cfg.moe_dedup and cfg.routed_expert_hidden_size and cfg.hidden_size % t == 0))
 
 
-def _expert_inner_dim(leaf: str) -> int:
-    """Intermediate dim of a routed expert weight: dense w1/w3 [E, in, I], w2 [E, I, in]; MXFP4
-    (packed and scales, [E, out, in / g]) w1/w3 [E, I, .], w2 [E, in, I / g]."""
-    if leaf in ("w1", "w3", "w2"):
-        return 1 if leaf == "w2" else 2
-    return 2 if leaf.startswith("w2") else 1
-
-
-def _moe_spec(names, shape, mesh, cfg) -> P | None:
-    leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
-    in_shared = "shared_experts" in names
-    if owner != "experts" and not in_shared and owner != "routed_expert_up_proj":
-        return None
-    axes = moe_axes(cfg, mesh.shape)
-    spec = [None] * len(shape)
-    if owner == "experts":
-        spec[0], spec[_expert_inner_dim(leaf)] = axes.expert, axes.expert_inner
-    elif in_shared:
-        spec[-1 if owner in ("gate_proj", "up_proj") else 0] = axes.shared
-    else:  # MoE dedup's owned rows: each rank loads only the up-projection outputs it computes
-        spec[-1] = axes.up
-    return P(*spec)
-
-
-def param_spec(path, shape, mesh, cfg) -> P:
-    """PartitionSpec of the parameter at `path` (a model tree path, or one inside a MoE layer's
-    own tree) for `mesh` (anything with a `.shape` dict of axis sizes)."""
-    names = _names(path)
-    leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
-    moe = _moe_spec(names, shape, mesh, cfg)
-    if moe is not None:
-        return moe
+def param_spec(axes, shape, mesh, cfg) -> P:
+    """PartitionSpec of a parameter with logical `axes` (one name per dimension) and `shape` on
+    `mesh` (anything with a `.shape` dict of axis sizes); P() when no rule names any of its axes."""
+    if not any(a in TENSOR or a in MOE for a in axes):
+        return P()
+    moe = moe_axes(cfg, mesh.shape) if any(a in MOE for a in axes) else None
     t = mesh.shape.get("tensor", 1)
 
-    def split(dim):
-        spec = [None] * len(shape)
-        if t > 1 and shape[dim] % t == 0:
-            spec[dim] = "tensor"
-        return P(*spec)
+    def place(name, dim):
+        if name in MOE:
+            return getattr(moe, MOE[name])
+        return "tensor" if name in TENSOR and t > 1 and dim % t == 0 else None
+    return P(*map(place, axes, shape))
 
-    if leaf == "kernel" and owner in COLUMN:
-        return split(-1 % len(shape))
-    if leaf == "kernel" and owner in ROW:
-        return split(0)
-    if leaf in PER_CHANNEL:
-        return split(0)
-    return P()
+
+def param_specs(axes, params, mesh, cfg):
+    """PartitionSpec per parameter of `params` (a model's tree or one layer's), given the tree of
+    their logical axes."""
+    return jax.tree.map(lambda x, a: param_spec(a, x.shape, mesh, cfg), params, axes)
+
+
+def _is_box(x) -> bool:
+    return isinstance(x, nn.Partitioned)
+
+
+def logical_axes(boxed):
+    """The logical axes tuple of every parameter of a tree boxed by `nn.with_logical_partitioning`
+    (what a Linen module's `init` returns)."""
+    return jax.tree.map(lambda b: b.names, boxed, is_leaf=_is_box)
+
+
+def unboxed(boxed):
+    """The tree's plain values (no sharding constraint applied, unlike `nn.unbox` under a mesh)."""
+    return jax.tree.map(lambda b: b.value if _is_box(b) else b, boxed, is_leaf=_is_box)
 
 
 def param_shardings(abstract_params, cfg, mesh):
-    """NamedSharding per parameter for `mesh` (a pytree matching `abstract_params`)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: NamedSharding(mesh, param_spec(path, leaf.shape, mesh, cfg)), abstract_params)
+    """NamedSharding per parameter for `mesh` (a pytree matching `abstract_params`, the config's
+    parameter tree; its logical axes: `cfg.param_axes()`)."""
+    return jax.tree.map(lambda x, a: NamedSharding(mesh, param_spec(a, x.shape, mesh, cfg)),
+                        abstract_params, cfg.param_axes())
 
 
 def place_model(model, mesh):

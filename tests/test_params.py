@@ -48,3 +48,62 @@ def test_init_is_seeded(tiny_models):
     assert all(bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     expected = jax.tree.map(lambda s: (s.shape, s.dtype), kimik3.abstract(cfg))
     assert jax.tree.map(lambda x: (x.shape, x.dtype), a) == expected
+
+
+def test_every_parameter_declares_its_logical_axes():
+    """One axis name per dimension, for every parameter of every preset; every axis the sharding
+    table places is declared by some weight (no dead rule)."""
+    from sharding.rules import MOE, TENSOR
+
+    used = set()
+    for name in sorted(kimik3.PRESETS):
+        cfg = Config.preset(name)
+        axes = cfg.param_axes()  # the same tree structure as the parameters (else tree.map raises)
+        ranks = jax.tree.map(lambda x, a: (len(x.shape), a), kimik3.abstract(cfg), axes)
+        for rank, a in jax.tree.leaves(ranks, is_leaf=lambda r: isinstance(r, tuple) and isinstance(r[0], int)):
+            assert isinstance(a, tuple) and len(a) == rank and all(isinstance(n, str) for n in a), (name, a)
+            used.update(a)
+    assert TENSOR | set(MOE) <= used, (TENSOR | set(MOE)) - used
+
+
+def _specs(cfg, **mesh_axes):
+    import sharding
+
+    sh = sharding.param_shardings(kimik3.abstract(cfg), cfg, sharding.make_mesh(**mesh_axes))
+    return jax.tree.map(lambda s: s.spec, sh)
+
+
+def test_the_axes_table_places_the_well_known_weights():
+    """Specs from the logical axes, as the former name rules gave them (checked bit for bit
+    against them on these meshes when the table replaced them)."""
+    from jax.sharding import PartitionSpec as P
+
+    tiny = Config.preset("tiny")
+    s = _specs(tiny, tensor=8)
+    kda, moe = s["layers_0"]["self_attn"], s["layers_1"]["block_sparse_moe"]
+    assert kda["q_proj"]["kernel"] == P(None, "tensor")      # output channels over tensor
+    assert kda["o_proj"]["kernel"] == P("tensor", None)      # input channels over tensor
+    assert kda["q_conv1d"] == P("tensor", None) and kda["dt_bias"] == P("tensor")
+    assert kda["A_log"] == P(None)                          # 2 heads do not split 8 ways
+    assert s["embed_tokens"]["embedding"] == P() and kda["f_a_proj"]["kernel"] == P()
+    assert moe["routed_expert_up_proj"]["kernel"] == P(None, "tensor")  # MoE dedup's owned rows
+    assert moe["experts"]["w1_packed"] == P(None, None, None)  # 32 values: not 8 whole scale groups
+    assert _specs(tiny.replace(moe_dedup=False), tensor=8)["layers_1"]["block_sparse_moe"][
+        "routed_expert_up_proj"]["kernel"] == P(None, None)
+
+    s = _specs(tiny, tensor=4)
+    mla = s["layers_2"]["self_attn"]
+    assert mla["q_b_proj"]["kernel"] == P(None, "tensor") and mla["kv_b_proj"]["kernel"] == P(None, "tensor")
+    assert mla["o_proj"]["kernel"] == P("tensor", None) and mla["kv_a_proj_with_mqa"]["kernel"] == P()
+    assert s["layers_0"]["mlp"]["down_proj"]["kernel"] == P("tensor", None) and s["lm_head"]["kernel"] == P()
+
+    mxfp4 = tiny.replace(num_layers=2, layer_types=("kda", "mla"), moe_intermediate_size=256, num_shared_experts=2)
+    s = _specs(mxfp4, tensor=2, expert=4)
+    moe = s["layers_1"]["block_sparse_moe"]
+    assert moe["experts"]["w1_packed"] == P("expert", "tensor", None)  # experts' dim 0 over expert
+    assert moe["experts"]["w2_scale"] == P("expert", None, "tensor")
+    assert moe["shared_experts"]["down_proj"]["kernel"] == P("tensor", None) and moe["gate"] == P()
+    assert s["layers_0"]["self_attn"]["A_log"] == P("tensor")
+
+    experts = _specs(Config.preset("tiny-linear"), tensor=2, expert=4)["layers_1"]["block_sparse_moe"]["experts"]
+    assert experts["w1"] == P("expert", None, "tensor") and experts["w2"] == P("expert", "tensor", None)

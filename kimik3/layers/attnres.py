@@ -21,9 +21,11 @@ class AttnResMix(nn.Module):
 
     @nn.compact
     def __call__(self, rows: list):
-        g = self.param("norm", nn.initializers.ones, (self.dim,), self.param_dtype)
+        g = self.param("norm", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (self.dim,),
+                       self.param_dtype)
         # HF stores the pseudo-query as a Linear [1, H]; kept here as a vector.
-        w = self.param("proj", nn.initializers.normal(0.1), (self.dim,), self.param_dtype)
+        w = self.param("proj", nn.with_logical_partitioning(nn.initializers.normal(0.1), ("embed",)),
+                       (self.dim,), self.param_dtype)
         return attn_res_mix(rows, g, w, self.eps)
 
 

@@ -1,21 +1,39 @@
-"""Small shared pieces: linear layers, the Kimi RMSNorm, activations, the depthwise short conv."""
+"""Small shared pieces: linear layers, the Kimi RMSNorm, activations, the depthwise short conv.
+
+Every parameter is declared with its logical axes (`nn.with_logical_partitioning`): names that
+say what each dimension is, from which sharding/rules.py places it on a mesh. The vocabulary:
+  vocab, embed                 the token table and the model's hidden dimension
+  mlp                          a dense MLP's (or the shared experts') intermediate units
+  q_heads, kv_heads, v_heads   MLA's head-major projections: queries, keys|values, values
+  q_lora, kv_lora, kv_lora_rope  MLA's low ranks (kv_lora_rope: the latent plus its rope part)
+  kda_heads, kda_channels      KDA's heads and its head-major channels (heads x head_dim)
+  kda_head_dim, gate_rank      one KDA head's width; the low-rank gates' bottleneck
+  conv_kernel                  the short conv's taps
+  expert_score                 one value per routed expert (the router's output)
+  expert, expert_mlp, expert_embed  the routed experts: their stack, intermediate and model-side
+                               dims (dense, MXFP4-packed or its scale groups alike)
+  moe_latent, dedup_embed      the latent MoE's width; its up-projection's output (MoE dedup's
+                               owned rows)"""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
 from kernels_pallas.moe.reference import glu as moe_glu
+from sharding.rules import logical_axes
 
 F32 = jnp.float32
 INIT_STD = 0.02
 
 
-def dense(features: int, name: str, cfg, dtype=None, param_dtype=None) -> nn.Dense:
-    """Bias-free projection; kernel stored [in, out] (HF stores [out, in])."""
-    return nn.Dense(features, use_bias=False, name=name, dtype=dtype or cfg.jnp_dtype,
-                    param_dtype=param_dtype or cfg.jnp_param_dtype,
-                    kernel_init=nn.initializers.normal(INIT_STD))
+def dense(features: int, name: str, cfg, axes: tuple) -> nn.Dense:
+    """Bias-free projection; kernel stored [in, out] (HF stores [out, in]), logical `axes`."""
+    return nn.Dense(features, use_bias=False, name=name, dtype=cfg.jnp_dtype,
+                    param_dtype=cfg.jnp_param_dtype,
+                    kernel_init=nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), axes))
 
 
 class Weight(nn.Module):
@@ -23,12 +41,32 @@ class Weight(nn.Module):
     used in more than one way or handed to pure functions (the MoE under shard_map)."""
     shape: tuple
     dtype: jnp.dtype
+    axes: tuple
     init: object = nn.initializers.normal(INIT_STD)
     param_name: str = "kernel"
 
     @nn.compact
     def __call__(self):
-        return self.param(self.param_name, self.init, self.shape, self.dtype)
+        return self.param(self.param_name, nn.with_logical_partitioning(self.init, self.axes),
+                          self.shape, self.dtype)
+
+
+class Declared(nn.Module):
+    """The weights `declare(module, cfg)` declares in a module of their own (for their axes)."""
+    declare: object
+    cfg: object
+
+    @nn.compact
+    def __call__(self):
+        return self.declare(self, self.cfg)
+
+
+@functools.cache
+def declared_axes(declare, cfg):
+    """Logical axes of the weights `declare(module, cfg)` declares (a tree of tuples shaped like
+    them; shapes only, no memory)."""
+    module = Declared(declare, cfg, parent=None)  # not a child of a module being applied
+    return logical_axes(jax.eval_shape(module.init, jax.random.key(0))["params"])
 
 
 class RMSNorm(nn.Module):
@@ -36,10 +74,12 @@ class RMSNorm(nn.Module):
     dim: int
     eps: float
     param_dtype: jnp.dtype = F32
+    axis: str = "embed"
 
     @nn.compact
     def __call__(self, x):
-        w = self.param("weight", nn.initializers.ones, (self.dim,), self.param_dtype)
+        w = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
+                       (self.dim,), self.param_dtype)
         return w.astype(x.dtype) * rms_normalize(x, self.eps)
 
 

@@ -12,8 +12,8 @@ import kernels_pallas
 from kernels_pallas import resolve_backend
 from kernels_pallas.kda.decode import kda_decode
 from sharding.kda import AXIS, kda_cache_specs, kda_tensor_axis
-from sharding.rules import param_spec
-from .common import F32, Weight, causal_conv, rms_normalize
+from sharding.rules import param_specs
+from .common import F32, Weight, causal_conv, declared_axes, rms_normalize
 
 # At most this many new tokens per sequence go through the per-token recurrence (decode, verify);
 # longer extends use the chunked form.
@@ -29,19 +29,25 @@ def kda_cache_shapes(cfg, batch: int):
 def kda_weights(module, cfg) -> dict:
     """Declare the KDA layer's weights in `module` (a compact Linen module) and return them as a
     dict for `kda_apply`. Names, shapes and initialisers are the checkpoint's (Dense-style
-    `{name: {"kernel": [in, out]}}` for projections)."""
+    `{name: {"kernel": [in, out]}}` for projections), with their logical axes."""
     D, H, K, W = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_size
     P, pdt = H * K, cfg.jnp_param_dtype
-    proj = {"q_proj": (D, P), "k_proj": (D, P), "v_proj": (D, P), "f_a_proj": (D, K),
-            "f_b_proj": (K, P), "b_proj": (D, H), "o_proj": (P, D)}
-    proj.update({"g_proj": (D, P)} if cfg.use_full_rank_gate else {"g_a_proj": (D, K), "g_b_proj": (K, P)})
-    p = {n: {"kernel": Weight(s, pdt, name=n)()} for n, s in proj.items()}
-    conv_init = nn.initializers.normal(0.3)
+    to_channels, from_rank = ((D, P), ("embed", "kda_channels")), ((K, P), ("gate_rank", "kda_channels"))
+    to_rank = ((D, K), ("embed", "gate_rank"))
+    proj = {"q_proj": to_channels, "k_proj": to_channels, "v_proj": to_channels, "f_a_proj": to_rank,
+            "f_b_proj": from_rank, "b_proj": ((D, H), ("embed", "kda_heads")),
+            "o_proj": ((P, D), ("kda_channels", "embed"))}
+    proj.update({"g_proj": to_channels} if cfg.use_full_rank_gate else {"g_a_proj": to_rank, "g_b_proj": from_rank})
+    p = {n: {"kernel": Weight(s, pdt, axes, name=n)()} for n, (s, axes) in proj.items()}
+
+    def param(name, init, shape, axes):
+        return module.param(name, nn.with_logical_partitioning(init, axes), shape, F32)
     for n in "qkv":
-        p[f"{n}_conv1d"] = module.param(f"{n}_conv1d", conv_init, (P, W), F32)
-    p["A_log"] = module.param("A_log", lambda key, s: jnp.log(jax.random.uniform(key, s, F32, 1, 16)), (H,))
-    p["dt_bias"] = module.param("dt_bias", nn.initializers.normal(0.5), (P,), F32)
-    p["o_norm"] = module.param("o_norm", nn.initializers.ones, (K,), F32)
+        p[f"{n}_conv1d"] = param(f"{n}_conv1d", nn.initializers.normal(0.3), (P, W), ("kda_channels", "conv_kernel"))
+    p["A_log"] = param("A_log", lambda key, s, dt: jnp.log(jax.random.uniform(key, s, dt, 1, 16)), (H,),
+                       ("kda_heads",))
+    p["dt_bias"] = param("dt_bias", nn.initializers.normal(0.5), (P,), ("kda_channels",))
+    p["o_norm"] = param("o_norm", nn.initializers.ones, (K,), ("kda_head_dim",))
     return p
 
 
@@ -116,7 +122,7 @@ def kda_sharded(cfg, p, x, cache, n_new, backend=None, mesh=None, all_positions=
     decode / chunk kernels see only local heads (no custom call is ever partitioned by XLA), and
     the output projection's partial sums meet in one all-reduce."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    specs = jax.tree_util.tree_map_with_path(lambda path, w: param_spec(path, w.shape, mesh, cfg), p)
+    specs = param_specs(declared_axes(kda_weights, cfg), p, mesh, cfg)
     cspecs = kda_cache_specs(cfg, mesh)
     out_cspecs = cspecs
     if all_positions:  # the state after every position: [B, T, H, K, K], heads still split

@@ -373,18 +373,18 @@ class MLA(nn.Module):
         cscale = cache_scale(cfg)
 
         if cfg.q_lora_rank:
-            qa = dense(cfg.q_lora_rank, "q_a_proj", cfg)(x)
-            qa = RMSNorm(cfg.q_lora_rank, cfg.mla_norm_eps, cfg.jnp_param_dtype, name="q_a_layernorm")(qa)
-            q = dense(H * (dn + dr), "q_b_proj", cfg)(qa)
+            qa = dense(cfg.q_lora_rank, "q_a_proj", cfg, ("embed", "q_lora"))(x)
+            qa = RMSNorm(cfg.q_lora_rank, cfg.mla_norm_eps, cfg.jnp_param_dtype, "q_lora", name="q_a_layernorm")(qa)
+            q = dense(H * (dn + dr), "q_b_proj", cfg, ("q_lora", "q_heads"))(qa)
         else:
-            q = dense(H * (dn + dr), "q_proj", cfg)(x)
+            q = dense(H * (dn + dr), "q_proj", cfg, ("embed", "q_heads"))(x)
         q = q.reshape(B, T, H, dn + dr)
         q_nope, q_rope = q[..., :dn], q[..., dn:]
 
-        ckv = dense(R + dr, "kv_a_proj_with_mqa", cfg)(x)
-        latent = RMSNorm(R, cfg.mla_norm_eps, cfg.jnp_param_dtype, name="kv_a_layernorm")(ckv[..., :R])
+        ckv = dense(R + dr, "kv_a_proj_with_mqa", cfg, ("embed", "kv_lora_rope"))(x)
+        latent = RMSNorm(R, cfg.mla_norm_eps, cfg.jnp_param_dtype, "kv_lora", name="kv_a_layernorm")(ckv[..., :R])
         entries = jnp.concatenate([latent, ckv[..., R:]], axis=-1).astype(dt)  # [B, T, R + dr]
-        kv_b = Weight((R, H * (dn + dv)), cfg.jnp_param_dtype, name="kv_b_proj")().astype(dt)
+        kv_b = Weight((R, H * (dn + dv)), cfg.jnp_param_dtype, ("kv_lora", "kv_heads"), name="kv_b_proj")().astype(dt)
         kv_b = kv_b.reshape(R, H, dn + dv)
         w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]
 
@@ -408,5 +408,5 @@ class MLA(nn.Module):
 
         o = o.reshape(B, T, H * dv).astype(dt)
         if cfg.mla_use_output_gate:
-            o = (o.astype(F32) * jax.nn.sigmoid(dense(H * dv, "g_proj", cfg)(x).astype(F32))).astype(dt)
-        return dense(cfg.hidden_size, "o_proj", cfg)(o), new_cache
+            o = (o.astype(F32) * jax.nn.sigmoid(dense(H * dv, "g_proj", cfg, ("embed", "v_heads"))(x).astype(F32))).astype(dt)
+        return dense(cfg.hidden_size, "o_proj", cfg, ("v_heads", "embed"))(o), new_cache

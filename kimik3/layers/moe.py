@@ -41,9 +41,8 @@ from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.moe import (MXFP4PairedWeight, MXFP4Weight, gather_rows, moe_gmm,
                                 moe_gmm_glu, mxfp4)
-from sharding.moe import moe_param_specs
-from sharding.rules import MoEAxes, moe_axes
-from .common import F32, INIT_STD, Weight, glu, rms_normalize
+from sharding.rules import MoEAxes, moe_axes, param_specs
+from .common import F32, INIT_STD, Weight, declared_axes, glu, rms_normalize
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -63,8 +62,9 @@ def mlp_apply(cfg, p, x):
 def mlp_weights(cfg, intermediate: int) -> dict:
     """Declare gate/up/down kernels in the calling (compact) module; returns them as a dict."""
     D, pdt = cfg.hidden_size, cfg.jnp_param_dtype
-    shapes = {"gate_proj": (D, intermediate), "up_proj": (D, intermediate), "down_proj": (intermediate, D)}
-    return {n: {"kernel": Weight(s, pdt, name=n)()} for n, s in shapes.items()}
+    up = ((D, intermediate), ("embed", "mlp"))
+    shapes = {"gate_proj": up, "up_proj": up, "down_proj": ((intermediate, D), ("mlp", "embed"))}
+    return {n: {"kernel": Weight(s, pdt, axes, name=n)()} for n, (s, axes) in shapes.items()}
 
 
 class MLP(nn.Module):
@@ -207,20 +207,55 @@ class Experts(nn.Module):
     def __call__(self):
         cfg = self.cfg
         E, I, Din = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_in_dim
-        shapes = {"w1": (Din, I), "w3": (Din, I), "w2": (I, Din)}  # w1 gate, w3 up, w2 down
+        up = ((Din, I), ("expert_embed", "expert_mlp"))
+        shapes = {"w1": up, "w3": up, "w2": ((I, Din), ("expert_mlp", "expert_embed"))}  # gate, up, down
+        param = lambda name, init, shape, axes, *dtype: self.param(  # noqa: E731
+            name, nn.with_logical_partitioning(init, ("expert", *axes)), (E, *shape), *dtype)
         experts = {}
-        for n, (din, dout) in shapes.items():
+        for n, ((din, dout), (ain, aout)) in shapes.items():
             if cfg.expert_format == "dense":
-                experts[n] = self.param(n, nn.initializers.normal(INIT_STD), (E, din, dout),
-                                        cfg.jnp_param_dtype)
-            else:
-                experts[f"{n}_packed"] = self.param(
+                experts[n] = param(n, nn.initializers.normal(INIT_STD), (din, dout), (ain, aout),
+                                   cfg.jnp_param_dtype)
+            else:  # [E, out, in / 2] bytes, [E, out, in / 32] scales
+                experts[f"{n}_packed"] = param(
                     f"{n}_packed", lambda k, s: jax.random.randint(k, s, 0, 256, jnp.int32).astype(jnp.uint8),
-                    (E, dout, din // 2))
-                experts[f"{n}_scale"] = self.param(  # 2^-8..2^-6: magnitudes near INIT_STD
+                    (dout, din // 2), (aout, ain))
+                experts[f"{n}_scale"] = param(  # 2^-8..2^-6: magnitudes near INIT_STD
                     f"{n}_scale", lambda k, s: jax.random.randint(k, s, 119, 122, jnp.int32).astype(jnp.uint8),
-                    (E, dout, din // mxfp4.GROUP))
+                    (dout, din // mxfp4.GROUP), (aout, ain))
         return experts
+
+
+def moe_weights(module, cfg) -> dict:
+    """Declare one MoE layer's weights in `module` (a compact Linen module), with their logical
+    axes, and return them as the dict `moe_apply` takes."""
+    D, L, pdt = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.jnp_param_dtype
+    E = cfg.num_experts
+    p = {"gate": module.param("gate", nn.with_logical_partitioning(nn.initializers.normal(INIT_STD),
+                                                                   ("embed", "expert_score")),
+                              (D, E), jnp.dtype(cfg.router_dtype)),
+         "e_score_correction_bias": module.param(
+             "e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.normal(0.01), ("expert_score",)),
+             (E,), F32)}
+    if L:
+        p["routed_expert_down_proj"] = {"kernel": Weight((D, L), pdt, ("embed", "moe_latent"),
+                                                         name="routed_expert_down_proj")()}
+    p["experts"] = Experts(cfg, name="experts")()
+    if L and cfg.latent_moe_use_norm:
+        p["routed_expert_norm"] = {"weight": Weight((L,), pdt, ("moe_latent",), nn.initializers.ones, "weight",
+                                                    name="routed_expert_norm")()}
+    if L:  # its output columns: the hidden coordinates each rank owns under MoE dedup
+        p["routed_expert_up_proj"] = {"kernel": Weight((L, D), pdt, ("moe_latent", "dedup_embed"),
+                                                       name="routed_expert_up_proj")()}
+    if cfg.num_shared_experts:
+        p["shared_experts"] = MLPWeights(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts,
+                                         name="shared_experts")()
+    return p
+
+
+def moe_weight_axes(cfg) -> dict:
+    """The logical axes of one MoE layer's weights (a tree shaped like `moe_weights`' dict)."""
+    return declared_axes(moe_weights, cfg)
 
 
 def _splitting_mesh():
@@ -236,7 +271,7 @@ def moe_sharded(cfg, moe_params, x, backend=None, mesh=None):
     (default: the ambient one); traceable inside jit."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     axes = moe_axes(cfg, mesh.shape)
-    specs = moe_param_specs(cfg, moe_params, mesh)
+    specs = param_specs(moe_weight_axes(cfg), moe_params, mesh, cfg)
     f = shard_map(lambda p, x: moe_apply(cfg, p, x, backend, axes), mesh=mesh, in_specs=(specs, P()),
                   out_specs=P(), check_vma=False)
     return f(moe_params, x)
@@ -272,28 +307,12 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x, backend=None):
-        cfg = self.cfg
         B, T, D = x.shape
-        L, pdt = cfg.routed_expert_hidden_size, cfg.jnp_param_dtype
-        p = {"gate": self.param("gate", nn.initializers.normal(INIT_STD), (D, cfg.num_experts),
-                                jnp.dtype(cfg.router_dtype)),
-             "e_score_correction_bias": self.param("e_score_correction_bias", nn.initializers.normal(0.01),
-                                                   (cfg.num_experts,), F32)}
-        if L:
-            p["routed_expert_down_proj"] = {"kernel": Weight((D, L), pdt, name="routed_expert_down_proj")()}
-        p["experts"] = Experts(cfg, name="experts")()
-        if L and cfg.latent_moe_use_norm:
-            p["routed_expert_norm"] = {"weight": Weight((L,), pdt, nn.initializers.ones, "weight",
-                                                        name="routed_expert_norm")()}
-        if L:
-            p["routed_expert_up_proj"] = {"kernel": Weight((L, D), pdt, name="routed_expert_up_proj")()}
-        if cfg.num_shared_experts:
-            p["shared_experts"] = MLPWeights(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts,
-                                             name="shared_experts")()
+        p = moe_weights(self, self.cfg)
         xf = x.reshape(B * T, D)
         mesh = _splitting_mesh()
         if mesh is None:
-            out = moe_apply(cfg, p, xf, backend)
+            out = moe_apply(self.cfg, p, xf, backend)
         else:
-            out = moe_sharded(cfg, p, xf, backend, mesh)
+            out = moe_sharded(self.cfg, p, xf, backend, mesh)
         return out.reshape(B, T, D)
