@@ -11,7 +11,7 @@ kernel read out of bounds (CUDA_ERROR_ILLEGAL_ADDRESS) for experts past id ~780.
 (in-bounds offsets of smaller arrays fit in int32; a masked-off lane may wrap, but is never read).
 The wrapper hands the original a copy of the block info whose dtype is 8 bytes wide, which moves
 only its size test (the dtype is used for nothing else there). Kernels on smaller arrays lower exactly as before. If the function is missing or changed
-in another jax version, `apply()` returns False and patches nothing (tests/test_triton_offsets.py
+in another jax version, `apply()` returns False and patches nothing (tests/kernels/test_triton_offsets.py
 checks the lowered IR either way).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 XLA:CPU in jaxlib 0.11.x miscompiles some fused batched matmuls through its YNNPACK fusion: the
 KDA chunk reference returned garbage outputs (different from run to run) inside jitted programs
-whose final state was unused. tests/test_xla_workarounds.py reproduces
+whose final state was unused. tests/model/test_xla_workarounds.py reproduces
 it. Turning that fusion off (`--xla_cpu_experimental_ynn_fusion_type=`) fixes it and only affects
 CPU. Skipped when the user sets the flag, or on jaxlib versions other than 0.11 (the flag may not
 exist there, and an unknown XLA flag is fatal).

@@ -1,5 +1,5 @@
 """Run the test suite one file per process, as many at once as there are cores:
-`python tests/run_all.py [pytest args]` (`--jobs N` first to choose; 1 runs them in turn).
+`python tests/run_all.py [pytest args]` (every tests/**/test_*.py) (`--jobs N` first to choose; 1 runs them in turn).
 
 Why not one `pytest tests` process: with jaxlib 0.11.2, XLA:CPU's compiler crashed (SIGSEGV /
 SIGABRT inside backend_compile_and_load) in a mesh test late in one long session that had
@@ -24,9 +24,10 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 # the files that take longest start first, so the last ones to finish are short
-SLOW_FIRST = ("test_prefix_cache.py", "test_moe_gmm.py", "test_server.py", "test_benchmarks.py",
-              "test_mla_kernels.py", "test_api.py", "test_speculative.py", "test_kda_kernels.py",
-              "test_cli.py", "test_replay.py", "test_attention_sharding.py", "test_batch.py")
+SLOW_FIRST = ("test_attention_sharding.py", "test_api.py", "test_moe_gmm.py", "test_mla_kernels.py",
+              "test_batch.py", "test_prefix_cache.py", "test_benchmarks.py", "test_moe_sharding.py",
+              "test_speculative.py", "test_kda_kernels.py", "test_cli.py", "test_notebook.py",
+              "test_tiny_code.py", "test_xla_workarounds.py", "test_server.py")
 
 
 def crashed(rc: int) -> bool:
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> int:
     if own_cache:
         env["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kimik3-tests-xla-")
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    todo = order(list(HERE.glob("test_*.py")))
+    todo = order(list(HERE.rglob("test_*.py")))
     running, failed, retried, tries = {}, [], [], {}
     t0 = time.time()
     try:
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> int:
                 log.seek(0)
                 sys.stdout.write(log.read())
                 log.close()
-                print(f"== {path.name}: exit {rc} in {time.time() - t:.0f} s", flush=True)
+                print(f"== {path.relative_to(HERE)}: exit {rc} in {time.time() - t:.0f} s", flush=True)
                 if crashed(rc) and tries[path] == 1:
                     retried.append(path.name)
                     print(f"== {path.name}: the process died from a signal (exit {rc}); running it once more",

@@ -5,8 +5,9 @@ import json
 import os
 import subprocess
 import sys
+from tests import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(paths.ROOT)
 
 
 def test_bench_sharded_smoke(tmp_path):

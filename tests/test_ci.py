@@ -1,8 +1,8 @@
 """CI runs the README's test command: .ci/run's one command (besides comments and the shebang) is
 the line of README.md after "# 2. set up, then run the tests"."""
-import pathlib
+from tests import paths
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = paths.ROOT
 
 
 def test_ci_runs_the_readme_test_command():

@@ -3,8 +3,9 @@
 lower one, never a higher one."""
 import ast
 import pathlib
+from tests import paths
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = paths.ROOT
 LAYERS = ["kernels_pallas", "sharding", "kimik3", "serve"]
 
 

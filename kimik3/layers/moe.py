@@ -18,7 +18,7 @@ sum, and the all-reduce the shared experts need anyway assembles both: no new co
 share of the up-projection FLOPs and weights per rank, and every coordinate receives its routed
 contribution exactly once. Collectives per layer either way: one all-reduce of the routed latent
 partial sums (when the experts' intermediate is split over TP) and one of the output; without
-dedup XLA may combine the two into one all-reduce of the same bytes (tests/test_moe_sharding.py).
+dedup XLA may combine the two into one all-reduce of the same bytes (tests/sharding/test_moe_sharding.py).
 
 Expert parallelism (Config.moe_placement "expert", or "auto" on a mesh with an `expert` axis > 1):
 the routed experts' weights are split over `expert` along the expert dimension, so each rank holds

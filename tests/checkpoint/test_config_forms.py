@@ -15,9 +15,10 @@ import kimik3
 from kimik3 import Config, ConfigError
 from kimik3.checkpoint.hf_export import export_hf
 
-import numpy_oracle  # noqa: E402  (tests/ is on sys.path under pytest)
+from tests import numpy_oracle  # noqa: E402
+from tests import paths
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+FIXTURES = str(paths.FIXTURES)
 FORMS = os.path.join(FIXTURES, "hf_config_forms")
 HF = os.path.join(FIXTURES, "hf_kimi_linear")
 CASES = ("kda_mla_moe", "mla_qlora_top3", "grouped_router_long")

@@ -11,7 +11,7 @@ from kernels_pallas.mla import (fp8_to_words, merge_partials, merge_stacked, mla
                                 words_to_fp8)
 from kernels_pallas.mla.decode import (PAIR_ASM, WORD_ASM, WORD_UPCASTS, _e4m3_word_halves,
                                        _e4m3_word_pairs)
-from ptx_emulator import emulate_ptx  # noqa: E402  (tests/ is on sys.path under pytest)
+from tests.ptx_emulator import emulate_ptx  # noqa: E402
 
 SCALE = 1.0 / np.sqrt(192.0)
 

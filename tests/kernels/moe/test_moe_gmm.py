@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ptx_emulator import emulate_ptx, prmt  # noqa: E402  (tests/ is on sys.path under pytest)
+from tests.ptx_emulator import emulate_ptx, prmt  # noqa: E402
 from kernels_pallas import GmmConfig, MXFP4Weight, moe_gmm, moe_gmm_glu, moe_gmm_tile_metadata
 from kernels_pallas.moe import mxfp4, pair_mxfp4
 from kernels_pallas.moe.gmm import (_BF16_MAX_SCALE, DEQUANT_VARIANTS, _asm_nibble, _asm_t,

@@ -3,8 +3,9 @@ import os
 
 import nbformat
 from nbclient import NotebookClient
+from tests import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(paths.ROOT)
 
 
 def test_quickstart_runs(tmp_path):

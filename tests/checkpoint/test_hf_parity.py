@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import kimik3
+from tests import paths
 
-HERE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_kimi_linear")
+HERE = str(paths.FIXTURES / "hf_kimi_linear")
 CASES = sorted(d for d in os.listdir(HERE) if os.path.isdir(os.path.join(HERE, d)))
 
 

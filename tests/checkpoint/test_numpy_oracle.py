@@ -6,7 +6,7 @@ import pytest
 import kimik3
 from kimik3.checkpoint.hf_export import export_hf
 
-import numpy_oracle  # noqa: E402  (tests/ is on sys.path under pytest)
+from tests import numpy_oracle  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-linear"])

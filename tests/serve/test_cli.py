@@ -10,8 +10,9 @@ import kimik3
 from kimik3 import compilation_cache
 from kimik3.checkpoint.hf_export import export_hf
 from serve.cli import DEFAULT_MODEL, build_parser, main
+from tests import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(paths.ROOT)
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,9 @@ import sys
 import time
 
 import numpy as np
+from tests import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(paths.ROOT)
 
 
 def _write_input(path, n=24):

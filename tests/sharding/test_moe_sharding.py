@@ -115,7 +115,7 @@ MODEL_MESHES = {
 
 @pytest.mark.parametrize("name", list(MODEL_MESHES))
 def test_model_moe_on_a_mesh_matches_one_device(tiny_greedy, name):
-    """Same calls as tests/test_dcp.py (its TP8 case is tp8_dedup here: shared compilations)."""
+    """Same calls as tests/sharding/test_dcp.py (its TP8 case is tp8_dedup here: shared compilations)."""
     model, prompts = tiny_greedy.model, tiny_greedy.prompts
     axes, options = MODEL_MESHES[name]
     mesh = sharding.make_mesh(**axes)

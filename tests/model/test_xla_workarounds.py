@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from tests import paths
+
 REPRO = r"""
 import sys
 if sys.argv[1] == "kimik3":
@@ -28,7 +30,7 @@ print(bad)
 def _bad_runs(mode):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(paths.ROOT)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", REPRO, mode], env=env, capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])

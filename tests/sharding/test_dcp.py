@@ -22,7 +22,7 @@ def test_sharded_decode_matches_one_device(tiny_greedy, name):
     model, prompts, want, want_last = tiny_greedy.model, tiny_greedy.prompts, tiny_greedy.tokens, tiny_greedy.last
     axes, dcp_axes = MESHES[name]
     mesh = sharding.make_mesh(**axes)
-    sharded = sharding.place_model(model, mesh)  # kimik3.init(mesh=) itself: tests/test_model.py
+    sharded = sharding.place_model(model, mesh)  # kimik3.init(mesh=) itself: tests/model/test_model.py
     last, cache = kimik3.prefill(sharded, prompts, 64, mesh=mesh, dcp_axes=dcp_axes)
     assert jnp.max(jnp.abs(last - want_last)) / jnp.max(jnp.abs(want_last)) < 1e-5
     if dcp_axes:  # each device holds 1/dcp of every sequence's positions
@@ -37,7 +37,7 @@ def test_sharded_decode_matches_one_device(tiny_greedy, name):
 def test_multi_token_verify_under_dcp(tiny_models):
     model = tiny_models["tiny"]
     mesh = sharding.make_mesh(tensor=8)
-    sharded = sharding.place_model(model, mesh)  # kimik3.init(mesh=) itself: tests/test_model.py
+    sharded = sharding.place_model(model, mesh)  # kimik3.init(mesh=) itself: tests/model/test_model.py
     toks = np.array([list(range(1, 21)), list(range(40, 60))], np.int32)
     full = kimik3.forward(model, toks)
     _, cache = kimik3.prefill(sharded, [list(toks[0, :14]), list(toks[1, :9])], 64, mesh=mesh, dcp_axes=("tensor",))
