@@ -1,10 +1,11 @@
 """One process of a multi-process CPU run (tests/test_multiprocess.py starts several): joins the
-runtime with sharding.initialize_distributed, builds the tiny model, places it on one mesh over
-every process's devices and runs `CASES` (prefill logits and greedy tokens); process 0 writes them
-to --out (npz). `run_cases` is also what the test runs in one process on 8 devices: the same
-program either way.
+runtime with sharding.initialize_distributed, reads the weights the test saved (--params, host
+numpy, as a checkpoint loader holds them), places them on one mesh over every process's devices
+and runs `CASES` (prefill logits and greedy tokens); process 0 writes them to --out (npz).
+`run_cases` is also what the test runs in one process on 8 devices: the same program either way.
 
-    python tests/multiprocess_worker.py --coordinator 127.0.0.1:PORT --num-processes 2 --process-id I --out F
+    python tests/multiprocess_worker.py --coordinator 127.0.0.1:PORT --num-processes 2 --process-id I \
+        --params P.npz --out F.npz
 (with XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu); --join-only stops
 after joining (the start-up error tests).
 """
@@ -22,6 +23,36 @@ CASES = {
 }
 PROMPTS = [[5, 6, 7], list(range(30, 52)), [9], list(range(100, 113))]
 MAX_SEQ_LEN, NEW_TOKENS = 64, 8
+
+
+def config():
+    """The tiny preset cut to 3 layers that keep every kind (KDA with a dense MLP, MLA + MoE, KDA +
+    MoE): each process compiles every mesh's programs, and compile time grows with layers."""
+    import kimik3
+
+    return kimik3.Config.preset("tiny").replace(num_layers=3, layer_types=("kda", "mla", "kda"))
+
+
+def save_params(model, path) -> None:
+    """The weights as one npz, keyed by tree path."""
+    import jax
+    import numpy as np
+
+    flat = jax.tree_util.tree_flatten_with_path(model.params)[0]
+    np.savez(path, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
+
+
+def load_params(cfg, path):
+    """`save_params`'s file as a Model of host numpy arrays (placing it is the caller's step)."""
+    import jax
+    import numpy as np
+
+    import kimik3
+
+    paths, tree = jax.tree_util.tree_flatten_with_path(kimik3.abstract(cfg))
+    with np.load(path) as f:
+        leaves = [f[jax.tree_util.keystr(k)] for k, _ in paths]
+    return kimik3.Model(params=jax.tree_util.tree_unflatten(tree, leaves), cfg=cfg)
 
 
 def spans(mesh) -> dict:
@@ -76,6 +107,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-processes", type=int, required=True)
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--params")
     p.add_argument("--out")
     p.add_argument("--join-only", action="store_true")
     args = p.parse_args(argv)
@@ -97,7 +129,7 @@ def main(argv=None) -> int:
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
     import numpy as np
 
-    model = kimik3.init(kimik3.Config.preset("tiny"), seed=0)  # the same weights in every process
+    model = load_params(config(), args.params)  # the same weights in every process
     results = {**run_cases(model), **mesh_errors()}
     if sharding.is_primary():
         np.savez(args.out, **results)
