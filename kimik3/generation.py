@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding.distributed import host_value
+
 from .model import Cache, KimiLM, Model
 from .runtime import bucket, check_tokens, mesh_context, prefill, run_mesh
 from .sampling import check_sampling, sample_step
@@ -176,7 +178,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 16, temperature: float
                            logprobs=return_logprobs)
     done = np.zeros(B, bool)
     for step in range(max_new_tokens):
-        toks = np.asarray(nxt)
+        toks = host_value(nxt)  # every process takes the same decisions (one SPMD program)
         rows = logprob_rows(lp, top_logprobs) if return_logprobs else [None] * B
         for b in range(B):
             if not done[b]:

@@ -17,6 +17,7 @@ A request that cannot be run becomes {"id", "error"}; a line without a usable id
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import numbers
 import os
@@ -24,6 +25,8 @@ import sys
 import time
 
 from tqdm import tqdm
+
+from sharding.distributed import broadcast_json, is_primary
 
 from .engine import Engine, SamplingParams
 
@@ -120,12 +123,10 @@ class Progress:
         self.bar.close()
 
 
-def run_batch(model, input_path: str, output_path: str, tokenizer, defaults: dict | None = None,
-              progress: bool = True, **engine_kw) -> dict:
-    defaults = dict(dict(max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=0), **(defaults or {}))
-    done = read_done(output_path)
-    engine = Engine(model, tokenizer=tokenizer, **engine_kw)
-    first_line, todo, errors = {}, [], []
+def read_plan(input_path: str, done: set) -> list:
+    """The input lines not in `done`, in file order: ["error", record] for a line that cannot
+    run, ["run", id, object] for a request."""
+    first_line, plan = {}, []
     with open(input_path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -134,31 +135,61 @@ def run_batch(model, input_path: str, output_path: str, tokenizer, defaults: dic
                 rid, obj = read_request(n, line)
             except ValueError as e:
                 if ("line", n) not in done:
-                    errors.append({"id": None, "line": n, "error": str(e)})
+                    plan.append(["error", {"id": None, "line": n, "error": str(e)}])
                 continue
             k = _key(rid)
             if k in first_line:
                 if ("line", n) not in done:
-                    errors.append({"id": rid, "line": n, "error": f"duplicate id {json.dumps(rid)} (first on line "
-                                                                  f"{first_line[k]}): ids must be unique"})
+                    plan.append(["error", {"id": rid, "line": n, "error": f"duplicate id {json.dumps(rid)} (first "
+                                                                          f"on line {first_line[k]}): ids must be unique"}])
                 continue
             first_line[k] = n
-            if k in done:
-                continue
-            try:
-                prompt, params = parse_request(obj, tokenizer, defaults)
-            except ValueError as e:
-                errors.append({"id": rid, "error": str(e)})
-                continue
-            todo.append((rid, prompt, params))
-    bar = Progress(len(todo) + len(errors), disable=not progress)
-    summary = {"requests": 0, "tokens": 0, "errors": 0, "skipped": len(done)}
+            if k not in done:
+                plan.append(["run", rid, obj])
+    return plan
+
+
+def shared_plan(input_path: str, output_path: str):
+    """(`read_plan`'s list, how many requests are already done), read by process 0 (it owns the
+    input and the output, and truncates a torn last line) and sent to every process, so that all
+    of them submit the same requests in the same order (one SPMD program)."""
+    shared = None
+    if is_primary():
+        done = read_done(output_path)
+        shared = [read_plan(input_path, done), len(done)]
+    plan, skipped = broadcast_json(shared)
+    return plan, skipped
+
+
+def run_batch(model, input_path: str, output_path: str, tokenizer, defaults: dict | None = None,
+              progress: bool = True, **engine_kw) -> dict:
+    """Run every request of `input_path` not yet in `output_path` and append their results; over
+    several processes every process runs the engine and process 0 alone writes."""
+    defaults = dict(dict(max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=0), **(defaults or {}))
+    plan, skipped = shared_plan(input_path, output_path)
+    engine = Engine(model, tokenizer=tokenizer, **engine_kw)
+    todo, errors = [], []
+    for kind, *entry in plan:
+        if kind == "error":
+            errors.append(entry[0])
+            continue
+        rid, obj = entry
+        try:
+            prompt, params = parse_request(obj, tokenizer, defaults)
+        except ValueError as e:
+            errors.append({"id": rid, "error": str(e)})
+            continue
+        todo.append((rid, prompt, params))
+    primary = is_primary()
+    bar = Progress(len(todo) + len(errors), disable=not (progress and primary))
+    summary = {"requests": 0, "tokens": 0, "errors": 0, "skipped": skipped}
     t0 = time.perf_counter()
-    with open(output_path, "a") as out:
+    with open(output_path, "a") if primary else contextlib.nullcontext() as out:
         def write(rec):
-            out.write(json.dumps(rec) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
+            if primary:
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
             if "error" in rec:
                 summary["errors"] += 1
                 bar.update(error=True)

@@ -124,6 +124,19 @@ def add_mesh_flags(p):
     p.add_argument("--dcp", type=_positive, default=1,
                    help="decode context parallelism: split every sequence's MLA cache positions over this "
                         "many devices (devices used: tensor x dcp)")
+    add_process_flags(p)
+
+
+def add_process_flags(p):
+    """One mesh over several processes (hosts): README "Several hosts" has the launch recipe."""
+    p.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                   help="several processes: process 0's host and a free port (default $JAX_COORDINATOR_ADDRESS, "
+                        "or detected on SLURM / Open MPI / Kubernetes)")
+    p.add_argument("--num-processes", type=_positive, default=None,
+                   help="how many processes the mesh spans (default $JAX_NUM_PROCESSES or detected)")
+    p.add_argument("--process-id", type=_non_negative, default=None,
+                   help="this process's id, 0..N-1; process 0 reads the input and writes the output "
+                        "(default $JAX_PROCESS_ID or detected)")
 
 
 # ---- what the shared flags build ----
@@ -151,11 +164,23 @@ def check_model_flags(args) -> str:
     return kind
 
 
-def make_mesh(args):
-    """The --tensor x --dcp mesh (None for one device), or UsageError when the devices are too few."""
-    if args.tensor == 1 and args.dcp == 1:
-        return None
+def start_processes(args) -> bool:
+    """Join the other processes of a multi-process run (--coordinator, --num-processes,
+    --process-id or the environment) before anything uses a device; False for one process."""
     import sharding
+
+    return sharding.initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+                                           getattr(args, "process_id", None))
+
+
+def make_mesh(args):
+    """The --tensor x --dcp mesh (None for one device in one process; over several processes it
+    must use every device), or UsageError when the devices do not fit it."""
+    import jax
+    import sharding
+
+    if args.tensor == 1 and args.dcp == 1 and jax.process_count() == 1:
+        return None
 
     try:
         return sharding.make_mesh(tensor=args.tensor, dcp=args.dcp)
@@ -178,6 +203,8 @@ def load_model(args, kind: str, mesh=None):
         origin = f"random weights, seed {args.seed}"
     if mesh is not None:
         origin += f"; mesh tensor={args.tensor} dcp={args.dcp}"
+        if mesh.devices.size > len(mesh.local_devices):
+            origin += f" over {len({d.process_index for d in mesh.devices.flat})} processes"
     return _with_mla_cache(model, args), tok, origin
 
 
@@ -208,8 +235,10 @@ def _cut_at_stop(tok, tokens, stops):
 
 def _generate(args) -> int:
     import kimik3
+    import sharding
 
     kind = check_model_flags(args)
+    start_processes(args)
     mesh = make_mesh(args)
     t0 = time.perf_counter()
     model, tok, origin = load_model(args, kind, mesh)
@@ -222,6 +251,8 @@ def _generate(args) -> int:
                           seed=args.seed, tokenizer=tok, mesh=mesh, dcp_axes=_dcp_axes(args))[0]
     out, text = _cut_at_stop(tok, out, args.stop) if args.stop else (out, tok.decode(out))
     t2 = time.perf_counter()
+    if not sharding.is_primary():  # every process ran the same program; process 0 reports it
+        return 0
     print(f"model {cfg.name} ({origin}); prompt: {args.prompt!r}")
     print(f"tokens: {out}")
     print(f"text:   {text!r}")
@@ -242,28 +273,44 @@ def _add_generate(sub):
 
 
 # ---- batch ----
-def _batch(args) -> int:
-    kind = check_model_flags(args)
+def _batch_path_error(args) -> str | None:
+    """What is wrong with --input / --output, or None (checked where they live: process 0)."""
     if not os.path.isfile(args.input):
-        raise UsageError(f"--input {args.input}: no such file")
+        return f"--input {args.input}: no such file"
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if os.path.isdir(args.output):
-        raise UsageError(f"--output {args.output} is a directory; give a file name (results.jsonl)")
+        return f"--output {args.output} is a directory; give a file name (results.jsonl)"
     if not os.path.isdir(out_dir):
-        raise UsageError(f"--output {args.output}: no such directory {out_dir}")
+        return f"--output {args.output}: no such directory {out_dir}"
+    return None
+
+
+def _batch(args) -> int:
+    kind = check_model_flags(args)
     if args.page_size % args.dcp:
         raise UsageError(f"--page-size {args.page_size} must be a multiple of the DCP size {args.dcp} (--dcp)")
+    if start_processes(args) and args.speculative and args.num_speculative_tokens == "auto":
+        raise UsageError("--num-speculative-tokens auto picks depths by timing, which differs between processes: "
+                         "give a depth (1..7) for a multi-process run")
+    import sharding
+
+    error = sharding.broadcast_json(_batch_path_error(args) if sharding.is_primary() else None)
+    if error:  # every process stops with process 0's line
+        raise UsageError(error)
     mesh = make_mesh(args)
     from serve.batch import run_batch
 
     model, tok, origin = load_model(args, kind, mesh)
-    print(f"kimik3 batch: model {model.cfg.name} ({origin})", file=sys.stderr)
+    if sharding.is_primary():
+        print(f"kimik3 batch: model {model.cfg.name} ({origin})", file=sys.stderr)
     summary = run_batch(model, args.input, args.output, tok, dcp_axes=_dcp_axes(args),
                         defaults=dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed),
                         max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
                         prefill_chunk=args.prefill_chunk, speculative=args.speculative,
                         num_speculative_tokens=args.num_speculative_tokens, progress=not args.quiet)
+    if not sharding.is_primary():
+        return 0
     print(f"kimik3 batch: {summary['requests']} requests, {summary['tokens']} tokens in {summary['seconds']:.1f}s "
           f"({summary['tokens_per_s']:.1f} tok/s), {summary['errors']} errors, {summary['skipped']} already done; "
           f"prefix cache: {summary['prefix_hit_tokens']} of {summary['prompt_tokens']} prompt tokens hit "

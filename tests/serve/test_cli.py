@@ -117,6 +117,13 @@ def test_bad_paths_and_flag_combinations_before_the_model_is_built(tmp_path, cap
         (["batch", "--input", str(prompts), "--output", str(tmp_path)], "is a directory"),
         (["batch", "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--dcp", "4", "--page-size", "6"],
          "multiple of the DCP size 4"),
+        # several processes: settings are checked before joining (tests/test_multiprocess.py joins)
+        (["generate", "--prompt", "x", "--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+         "coordinator address 'localhost' must be HOST:PORT"),
+        (["generate", "--prompt", "x", "--coordinator", "127.0.0.1:1", "--num-processes", "2"],
+         "needs --process-id I as well"),
+        (["batch", "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--num-processes", "2",
+          "--process-id", "3", "--coordinator", "127.0.0.1:1"], "process id 3 is outside 0..1"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

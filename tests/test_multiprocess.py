@@ -1,0 +1,153 @@
+"""One mesh over two processes (jax.distributed, CPU collectives over gloo): two worker processes
+of 4 fake CPU devices each (tests/multiprocess_worker.py) run TP8, TP4 x DCP2 and TP4 x EP2 as one
+SPMD program; their prefill logits and greedy tokens must equal this process's 8-device run of the
+same `run_cases` on the same weights (tests/test_dcp.py ties 8 devices to one). Start-up errors (unreachable coordinator, mismatched process counts, a process
+that never joins, a mesh that does not use every device) give one line and no hang: every
+subprocess has a deadline."""
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import kimik3
+import sharding
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import multiprocess_worker as worker  # noqa: E402
+
+RUN_TIMEOUT_S = 600  # each process compiles three meshes' programs, on shared CPU cores
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(pid: int, n: int, port: int, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, str(HERE / "multiprocess_worker.py"), "--coordinator", f"127.0.0.1:{port}",
+           "--num-processes", str(n), "--process-id", str(pid), *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(procs, timeout_s: float) -> list[tuple[int, str]]:
+    """(exit status, stderr) of each process; any still running at the deadline is killed and
+    fails the test (a hang must never block the suite)."""
+    deadline, out = time.monotonic() + timeout_s, []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a worker process was still running after {timeout_s:.0f} s (hang)")
+        out.append((p.returncode, err))
+    return out
+
+
+def kimik3_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("kimik3:")]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    """Both workers' results (process 0's npz) and this process's 8-device run of the same cases
+    on the same weights, computed while the workers run."""
+    tmp = tmp_path_factory.mktemp("mp")
+    model = kimik3.init(worker.config(), seed=0)
+    worker.save_params(model, tmp / "params.npz")
+    port = free_port()
+    procs = [start(pid, 2, port, "--params", str(tmp / "params.npz"), "--out", str(tmp / "out.npz"))
+             for pid in range(2)]
+    try:
+        local = worker.run_cases(model)
+    finally:
+        status = finish(procs, RUN_TIMEOUT_S)
+    for pid, (rc, err) in enumerate(status):
+        assert rc == 0, f"process {pid} exited {rc}: {err[-3000:]}"
+    with np.load(tmp / "out.npz") as f:
+        return dict(f), local
+
+
+@pytest.mark.parametrize("case", list(worker.CASES))
+def test_two_processes_match_one_process(two_process_run, case):
+    got, local = two_process_run
+    want_last = local[f"{case}/last"]
+    assert np.abs(got[f"{case}/last"] - want_last).max() / np.abs(want_last).max() < 1e-5
+    assert got[f"{case}/tokens"].tolist() == local[f"{case}/tokens"].tolist()
+    assert len(set(map(tuple, local[f"{case}/tokens"].tolist()))) == len(worker.PROMPTS)  # not degenerate
+
+
+def test_slow_axes_cross_processes(two_process_run):
+    """The mesh puts expert / dcp across the two processes and keeps tensor inside one when the
+    tensor axis fits in a process; TP8 must span both."""
+    got, _ = two_process_run
+    spans = {case: dict(zip(sharding.AXES, got[f"{case}/spans"].tolist())) for case in worker.CASES}
+    assert spans["tp8"]["tensor"] == 2
+    assert spans["tp4_dcp2"]["dcp"] == 2 and spans["tp4_dcp2"]["tensor"] == 1
+    assert spans["tp4_ep2"]["expert"] == 2 and spans["tp4_ep2"]["tensor"] == 1
+
+
+def test_mesh_that_does_not_use_every_device(two_process_run):
+    got, _ = two_process_run
+    assert "uses 3 devices, but the 2 processes hold 8" in str(got["error/mesh"])
+
+
+def test_host_split():
+    assert sharding.mesh.host_split(dict(data=1, tensor=4, dcp=1, expert=2), 2) == dict(data=1, tensor=1, dcp=1, expert=2)
+    assert sharding.mesh.host_split(dict(data=2, tensor=4, dcp=1, expert=2), 4) == dict(data=2, tensor=1, dcp=1, expert=2)
+    assert sharding.mesh.host_split(dict(data=1, tensor=8, dcp=1, expert=1), 2) == dict(data=1, tensor=2, dcp=1, expert=1)
+    assert sharding.mesh.host_split(dict(data=1, tensor=4, dcp=2, expert=1), 2,
+                                    host_axes=("tensor",)) == dict(data=1, tensor=2, dcp=1, expert=1)
+    with pytest.raises(ValueError, match="cannot be laid out over 3 processes"):
+        sharding.mesh.host_split(dict(data=1, tensor=8, dcp=1, expert=1), 3)
+
+
+def test_settings_errors(monkeypatch):
+    for var in sharding.distributed.ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    assert sharding.distributed.resolve_settings() == (None, None, None, None)
+    with pytest.raises(sharding.DistributedError, match="process id 2 is outside 0..1"):
+        sharding.initialize_distributed("127.0.0.1:1234", 2, 2)
+    with pytest.raises(sharding.DistributedError, match="needs --process-id I as well"):
+        sharding.initialize_distributed("127.0.0.1:1234", 2)
+    with pytest.raises(sharding.DistributedError, match="must be HOST:PORT"):
+        sharding.initialize_distributed("localhost", 2, 0)
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+    with pytest.raises(sharding.DistributedError, match=r"\$JAX_NUM_PROCESSES='two' is not an integer"):
+        sharding.initialize_distributed("127.0.0.1:1234", process_id=0)
+
+
+def test_unreachable_coordinator_is_one_line():
+    t0 = time.monotonic()
+    with pytest.raises(sharding.DistributedError, match=r"process 1: cannot reach the coordinator at 127\.0\.0\.1:\d+ "
+                                                       r"within 1 s"):
+        sharding.initialize_distributed(f"127.0.0.1:{free_port()}", 2, 1, timeout_s=1)
+    assert time.monotonic() - t0 < 10
+
+
+def test_mismatched_process_counts_fail_on_every_process():
+    port = free_port()
+    status = finish([start(0, 2, port, "--join-only", "--timeout", "30"),
+                     start(1, 3, port, "--join-only", "--timeout", "30")], 90)
+    for pid, (rc, err) in enumerate(status):
+        assert rc == 2, f"process {pid} exited {rc}: {err[-2000:]}"
+        line, = kimik3_lines(err)
+        assert "--num-processes" in line and "start every process with the same count" in line, line
+
+
+def test_a_process_that_never_joins_ends_the_others():
+    (rc, err), = finish([start(0, 2, free_port(), "--join-only", "--timeout", "3")], 60)
+    assert rc == 2, err[-2000:]
+    line, = kimik3_lines(err)
+    assert "the 2 processes did not all join the coordinator" in line and "within 3 s" in line, line
