@@ -1,5 +1,5 @@
 """One mesh over two processes (jax.distributed, CPU collectives over gloo): two worker processes
-of 4 fake CPU devices each (tests/multiprocess_worker.py) run TP8, TP4 x DCP2 and TP4 x EP2 as one
+of 4 fake CPU devices each (tests/sharding/multiprocess_worker.py) run TP8, TP4 x DCP2 and TP4 x EP2 as one
 SPMD program; their prefill logits and greedy tokens must equal this process's 8-device run of the
 same `run_cases` on the same weights (tests/test_dcp.py ties 8 devices to one). Start-up errors (unreachable coordinator, mismatched process counts, a process
 that never joins, a mesh that does not use every device) give one line and no hang: every
@@ -19,9 +19,10 @@ import pytest
 import kimik3
 import sharding
 
+from tests import paths
+from tests.sharding import multiprocess_worker as worker
+
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import multiprocess_worker as worker  # noqa: E402
 
 RUN_TIMEOUT_S = 600  # each process compiles three meshes' programs, on shared CPU cores
 
@@ -34,7 +35,7 @@ def free_port() -> int:
 
 def start(pid: int, n: int, port: int, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(paths.ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, str(HERE / "multiprocess_worker.py"), "--coordinator", f"127.0.0.1:{port}",
            "--num-processes", str(n), "--process-id", str(pid), *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
