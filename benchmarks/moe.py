@@ -44,6 +44,7 @@ from kernels_pallas.moe.gmm import (DEQUANT_VARIANTS, GmmConfig, default_config,
                                     moe_gmm_glu, needs_split_x, split_x)
 from kernels_pallas.moe.reference import MXFP4PairedWeight, MXFP4Weight, pair_mxfp4
 from kernels_pallas.moe.reference import glu as moe_glu_ref
+from sharding.rules import unboxed
 from .common import (gpu_ms, has_cuda_torch, ints_arg, names_arg, rel, torch_copy_Bps,
                      torch_wall_ms, wall_ms)
 from .config_strings import parse_overrides
@@ -593,8 +594,8 @@ def layer_section(run, ctx, token_list, formats, glu_modes=("unfused",)):
                      cfg.moe_intermediate_size, cfg.expert_in_dim)
     p = layer_params(cfg, jax.random.key(3))
     # the parameter tree must be the module's (names, shapes, dtypes): checked abstractly
-    want = jax.eval_shape(lambda: MoE(cfg).init(
-        jax.random.key(0), jnp.zeros((1, 2, D), cfg.jnp_dtype), backend="reference"))["params"]
+    want = unboxed(jax.eval_shape(lambda: MoE(cfg).init(
+        jax.random.key(0), jnp.zeros((1, 2, D), cfg.jnp_dtype), backend="reference"))["params"])
     sig = lambda t: jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), t)  # noqa: E731
     if sig(want) != sig(p):
         run.data["errors"]["layer"] = f"parameter tree differs from MoE's: {sig(want)} vs {sig(p)}"
