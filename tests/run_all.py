@@ -24,8 +24,8 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 # the files that take longest start first, so the last ones to finish are short
-SLOW_FIRST = ("test_kda_kernels.py", "test_attention_sharding.py", "test_cli.py", "test_api.py",
-              "test_prefix_cache.py", "test_speculative.py", "test_mla_kernels.py", "test_multiprocess.py",
+SLOW_FIRST = ("test_kda_kernels.py", "test_attention_sharding.py", "test_engine.py", "test_cli.py",
+              "test_api.py", "test_prefix_cache.py", "test_speculative.py", "test_mla_kernels.py", "test_multiprocess.py",
               "test_batch.py", "test_moe_gmm.py", "test_moe_sharding.py", "test_notebook.py",
               "test_benchmarks.py", "test_tiny_code.py", "test_bench_sharded.py", "test_checkpoint.py",
               "test_server.py")
