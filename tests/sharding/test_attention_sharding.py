@@ -10,6 +10,14 @@ import kimik3
 import sharding
 
 
+def one_layer_model(kind, **kw):
+    """The tiny model cut to one `kind` layer with a dense MLP: in interpret mode every kernel of
+    a whole model runs through the interpreter, so a test of one kernel family keeps only it."""
+    cfg = kimik3.Config.preset("tiny").replace(num_layers=1, layer_types=(kind,),
+                                               mlp_layer_types=("dense",), **kw)
+    return kimik3.init(cfg, seed=0)
+
+
 def test_kda_heads_split_over_tensor(tiny_greedy):
     model, prompts = tiny_greedy.model, tiny_greedy.prompts
     cfg = model.cfg
@@ -25,10 +33,10 @@ def test_kda_heads_split_over_tensor(tiny_greedy):
     assert got == tiny_greedy.tokens
 
 
-def test_pallas_kda_kernels_inside_the_shard_map(tiny_models):
+def test_pallas_kda_kernels_inside_the_shard_map():
     """backend="interpret": the chunk kernel (prefill > 8 tokens) and the fused decode kernel run
     on one rank's heads; greedy tokens and logits equal the one-device run of the same kernels."""
-    model = tiny_models["tiny"]
+    model = one_layer_model("kda")
     prompts = [list(range(3, 23)), [7, 8, 9]]
     want = kimik3.generate(model, prompts, max_new_tokens=3, stop_tokens=[], max_seq_len=32,
                            backend="interpret")
@@ -45,8 +53,7 @@ def test_pallas_kda_kernels_inside_the_shard_map(tiny_models):
 def test_mla_kernels_per_rank_heads():
     """The MLA decode kernel (real 576-wide cache) under TP2 without DCP runs per rank's heads in
     shard_map (kimik3/layers/mla.py per_head_shards); greedy tokens equal one device's."""
-    cfg = kimik3.Config.preset("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=64)
-    model = kimik3.init(cfg, seed=0)
+    model = one_layer_model("mla", kv_lora_rank=512, qk_rope_head_dim=64)
     prompts = [list(range(3, 13)), [7, 8, 9]]
     want = kimik3.generate(model, prompts, max_new_tokens=3, stop_tokens=[], max_seq_len=32,
                            backend="interpret")
@@ -66,8 +73,7 @@ def test_mla_kernel_under_dcp(monkeypatch):
     slices, real = [], mla_layer.mla_decode
     monkeypatch.setattr(mla_layer, "mla_decode", lambda q, cache, *a, **k: slices.append(cache.shape) or real(
         q, cache, *a, **k))
-    cfg = kimik3.Config.preset("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=64)
-    model = kimik3.init(cfg, seed=0)
+    model = one_layer_model("mla", kv_lora_rank=512, qk_rope_head_dim=64)
     prompts = [list(range(3, 13)), [7, 8]]
     want = kimik3.generate(model, prompts, max_new_tokens=3, stop_tokens=[], max_seq_len=32,
                            backend="interpret")
