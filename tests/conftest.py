@@ -4,7 +4,12 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    flags += " --xla_force_host_platform_device_count=8"
+# The suite is dominated by XLA:CPU compiling many small programs (tiny models, interpreted
+# kernels); LLVM's optimisation passes are most of that and the tiny programs barely need them.
+if "xla_backend_optimization_level" not in flags:
+    flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = flags.strip()
 
 import kimik3  # noqa: E402,F401  (applies the XLA:CPU workarounds before JAX starts)
 import jax  # noqa: E402

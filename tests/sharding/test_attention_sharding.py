@@ -35,16 +35,18 @@ def test_kda_heads_split_over_tensor(tiny_greedy):
 
 def test_pallas_kda_kernels_inside_the_shard_map():
     """backend="interpret": the chunk kernel (prefill > 8 tokens) and the fused decode kernel run
-    on one rank's heads; greedy tokens and logits equal the one-device run of the same kernels."""
+    on one rank's heads; greedy tokens and logits equal one device's plain-JAX run (the kernels
+    themselves are checked against it in tests/kernels/kda; interpreting them twice doubles the
+    cost)."""
     model = one_layer_model("kda")
     prompts = [list(range(3, 23)), [7, 8, 9]]
     want = kimik3.generate(model, prompts, max_new_tokens=3, stop_tokens=[], max_seq_len=32,
-                           backend="interpret")
-    want_last, _ = kimik3.prefill(model, prompts, 32, backend="interpret")
+                           backend="reference")
+    want_last, _ = kimik3.prefill(model, prompts, 32, backend="reference")
     mesh = sharding.make_mesh(tensor=2)
     placed = sharding.place_model(model, mesh)
     last, _ = kimik3.prefill(placed, prompts, 32, mesh=mesh, backend="interpret")
-    assert np.max(np.abs(np.asarray(last - want_last))) / np.max(np.abs(np.asarray(want_last))) < 1e-5
+    assert np.max(np.abs(np.asarray(last - want_last))) / np.max(np.abs(np.asarray(want_last))) < 1e-4
     got = kimik3.generate(placed, prompts, max_new_tokens=3, stop_tokens=[], max_seq_len=32, mesh=mesh,
                           backend="interpret")
     assert got == want
@@ -52,11 +54,12 @@ def test_pallas_kda_kernels_inside_the_shard_map():
 
 def test_mla_kernels_per_rank_heads():
     """The MLA decode kernel (real 576-wide cache) under TP2 without DCP runs per rank's heads in
-    shard_map (kimik3/layers/mla.py per_head_shards); greedy tokens equal one device's."""
+    shard_map (kimik3/layers/mla.py per_head_shards); greedy tokens equal one device's plain-JAX
+    run."""
     model = one_layer_model("mla", kv_lora_rank=512, qk_rope_head_dim=64)
     prompts = [list(range(3, 13)), [7, 8, 9]]
     want = kimik3.generate(model, prompts, max_new_tokens=3, stop_tokens=[], max_seq_len=32,
-                           backend="interpret")
+                           backend="reference")
     mesh = sharding.make_mesh(tensor=2)
     placed = sharding.place_model(model, mesh)
     got = kimik3.generate(placed, prompts, max_new_tokens=3, stop_tokens=[], max_seq_len=32, mesh=mesh,
@@ -66,7 +69,7 @@ def test_mla_kernels_per_rank_heads():
 
 def test_mla_kernel_under_dcp(monkeypatch):
     """Under DCP the MLA decode kernel runs on each rank's slice of the positions and the slices'
-    (o, lse) merge exactly: greedy tokens equal one device's, for TP2 x DCP4 and DCP over the
+    (o, lse) merge exactly: greedy tokens equal one device's plain-JAX run, for TP2 x DCP4 and DCP over the
     tensor axis itself, with a prompt shorter than the number of DCP shards."""
     import kimik3.layers.mla as mla_layer
 
@@ -76,7 +79,7 @@ def test_mla_kernel_under_dcp(monkeypatch):
     model = one_layer_model("mla", kv_lora_rank=512, qk_rope_head_dim=64)
     prompts = [list(range(3, 13)), [7, 8]]
     want = kimik3.generate(model, prompts, max_new_tokens=3, stop_tokens=[], max_seq_len=32,
-                           backend="interpret")
+                           backend="reference")
     for axes, dcp_axes in ((dict(tensor=2, dcp=4), ("dcp",)), (dict(tensor=4), ("tensor",))):
         mesh = sharding.make_mesh(**axes)
         placed = sharding.place_model(model, mesh)
