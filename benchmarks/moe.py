@@ -39,9 +39,9 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.moe import mxfp4
-from kernels_pallas.moe.gmm import (DEQUANT_VARIANTS, GmmConfig, default_config, moe_gmm,
-                                    moe_gmm_glu, needs_split_x, split_x)
+from kernels_pallas.moe import (GmmConfig, default_config, moe_gmm, moe_gmm_glu, mxfp4,
+                                needs_split_x, split_x)
+from kernels_pallas.moe.dequant import DEQUANT_VARIANTS
 from kernels_pallas.moe.reference import MXFP4PairedWeight, MXFP4Weight, pair_mxfp4
 from kernels_pallas.moe.reference import glu as moe_glu_ref
 from sharding.rules import unboxed
@@ -227,7 +227,7 @@ def torch_gmm(x, w_nk, gs, cpu):
 def run_to_run_diffs(f, args, y, calls=3):
     """Elements of `calls` more calls of f(*args) that differ bitwise from y: a race or a read of
     uninitialised memory shows here even where the first call happened to be right (the K3-layout
-    "split_asm_t" kernel with K blocks of 128 did, 2026-12-02)."""
+    "split_asm_t" kernel with K blocks of 128 in the plain K loop did)."""
     y = np.asarray(y)
     return max(int(np.sum(np.asarray(f(*args)) != y)) for _ in range(calls))
 

@@ -1,6 +1,6 @@
 """Plain-JAX reference for the MoE grouped matmul: `jax.lax.ragged_dot` on dequantised weights.
 
-Semantics (shared with the Pallas kernel in gmm.py):
+Semantics (shared with the Pallas kernel, `ops.moe_gmm`):
   x [M, K] rows sorted by group; w [G, K, N] dense, or `MXFP4Weight(packed [G, N, K/2] uint8,
   scales [G, N, K/32] uint8)` (K3's [out, in] storage, quantized along in = K); group_sizes [G]
   int32 with sum <= M. Row i of group g gets x[i] @ w[g]; rows past sum(group_sizes) are zero.

@@ -1,13 +1,11 @@
-"""The row-tile plan of the grouped matmul as one small Pallas kernel (Triton lowering).
+"""The row-tile plan of the grouped matmul: which rows of which group each program computes.
 
-`gmm.tile_metadata` (plain JAX, the reference) is the definition: [3, T] int32 (group, row start,
-row end) per tile, T = cdiv(M, block_m) + G. XLA runs it as 4 kernels (two reductions, a gather
-and a select), a few percent of a TP8 rank's down projection at decode. This computes the same
-table in one launch, in about half their time (chunks of 1-32 tiles and 1-8 warps timed). Each
-program rebuilds the
-per-group sums on its own (G is at most ~1k: two cumsums of G + 1 values) and fills `_CHUNK` tiles,
-so no program waits for another; Triton has no register gather, so a tile's group values are
-masked sums over the groups.
+`tile_metadata` (plain JAX) is the definition: [3, T] int32 (group, row start, row end) per tile,
+T = cdiv(M, block_m) + G. XLA runs it as several small kernels (reductions, a gather and a
+select); `tile_plan` computes the same table in one Pallas launch (Triton lowering), which the
+kernel path runs. Each of its programs rebuilds the per-group sums on its own (G is at most ~1k:
+two cumsums of G + 1 values) and fills `_CHUNK` tiles, so no program waits for another; Triton
+has no register gather, so a tile's group values are masked sums over the groups.
 """
 from __future__ import annotations
 
@@ -29,7 +27,50 @@ def group_tiles(gs, block_m: int, tail: int = 0):
     return jnp.where(gs > 0, (jnp.maximum(gs - tail, 1) + block_m - 1) // block_m, 0)
 
 
-_CHUNK = 4  # tiles per program ([4, G] compares and masked sums): the fastest of 1-32 timed
+def _inclusive_cumsum(v):
+    """Inclusive cumsum along the last axis as one masked reduction (O(n^2) work, n <= ~1k here):
+    on the GPU one fused kernel, where jnp.cumsum becomes a chain of reduce-window kernels."""
+    n = v.shape[-1]
+    tri = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]  # [i, j]: j <= i
+    return jnp.sum(jnp.where(tri, v[..., None, :], 0), axis=-1)
+
+
+def tile_metadata(group_sizes, m: int, block_m: int, tail: int = 0):
+    """[3, T] int32: (group, row start, row end) of each row tile; T = cdiv(M, block_m) + G.
+    tail > 0: a group's last tile holds up to block_m + tail rows (`group_tiles`; the zero
+    group's tiles stay within block_m).
+
+    group == G marks a tile of the rows past sum(group_sizes) (written as zeros); group == -1 marks
+    an unused slot. Groups past row M (sum(group_sizes) > M breaks the contract) are clipped:
+    their tiles past M are unused slots.
+    """
+    g = group_sizes.shape[0]
+    gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    n_tiles = pl.cdiv(m, block_m) + g
+    cum = _inclusive_cumsum(jnp.stack([gs, group_tiles(gs, block_m, tail)]))  # [2, G]
+    row_end = jnp.minimum(cum[0], m)
+    row_start = jnp.minimum(cum[0] - gs, m)
+    zero_rows = m - (row_end[-1] if g else jnp.int32(0))  # the zero group after the last
+    tile_end = jnp.concatenate([cum[1], (cum[1, -1:] if g else jnp.zeros((1,), jnp.int32))
+                                + (zero_rows + block_m - 1) // block_m])  # [G + 1]
+    tiles_x = jnp.concatenate([group_tiles(gs, block_m, tail),
+                               ((zero_rows + block_m - 1) // block_m)[None]])
+    starts_x = jnp.concatenate([row_start, (m - zero_rows)[None]])
+    ends_x = jnp.concatenate([row_end, jnp.full((1,), m, jnp.int32)])
+    t = jnp.arange(n_tiles, dtype=jnp.int32)
+    grp = jnp.sum(tile_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)  # searchsorted, right
+    gc = jnp.minimum(grp, g)
+    first = tile_end[gc] - tiles_x[gc]
+    start = starts_x[gc] + (t - first) * block_m
+    end = jnp.minimum(start + block_m, ends_x[gc])
+    if tail:  # a group's last tile runs to the group's end (<= block_m + tail rows)
+        end = jnp.where(t == tile_end[gc] - 1, ends_x[gc], end)
+    valid = (grp <= g) & (end > start)
+    return jnp.stack([jnp.where(valid, gc, -1), jnp.where(valid, start, 0),
+                      jnp.where(valid, end, 0)]).astype(jnp.int32)
+
+
+_CHUNK = 4  # tiles per program ([4, G] compares and masked sums)
 _WARPS = 4
 
 
@@ -57,7 +98,7 @@ def _tiles_kernel(gs_ref, o_ref, *, g: int, m: int, block_m: int, gp: int, n_til
 
     start = pick(starts) + (t - pick(tile_end - tiles)) * block_m
     end = jnp.minimum(start + block_m, pick(ends))
-    if tail:  # a group's last tile runs to the group's end (gmm.group_tiles)
+    if tail:  # a group's last tile runs to the group's end (group_tiles)
         end = jnp.where(t == pick(tile_end) - 1, pick(ends), end)
     valid = (grp <= g) & (end > start)
     in_range = t < n_tiles
@@ -71,7 +112,7 @@ def _tiles_kernel(gs_ref, o_ref, *, g: int, m: int, block_m: int, gp: int, n_til
                                              "tail"))
 def tile_plan(group_sizes, m: int, block_m: int, interpret: bool = False, chunk: int = 0,
               warps: int = 0, tail: int = 0):
-    """`gmm.tile_metadata(group_sizes, m, block_m, tail)` in one Pallas launch (equal, tested).
+    """`tile_metadata(group_sizes, m, block_m, tail)` in one Pallas launch (equal, tested).
     chunk / warps: tiles per program and warps (0: the defaults)."""
     chunk, warps = chunk or _CHUNK, warps or _WARPS
     g = group_sizes.shape[0]

@@ -1,18 +1,23 @@
 """kernels_pallas.moe_gmm: the Pallas kernel (interpret mode) against the plain-JAX reference
 (ragged_dot on dequantised weights), exact MXFP4 decoding from hand-built bytes for every dequant
-variant, and (kernels_pallas.gpu_lowering) the lowering of every benchmarked kernel for an H200."""
+variant (its PTX emulated), the tile plan, the default configurations, and
+(kernels_pallas.gpu_lowering) the lowering of every benchmarked kernel for an H200.
+
+Every interpreted kernel call costs about a second of compilation on CPU, so each case combines
+the features it can: ragged groups, empty groups, rows past sum(group_sizes), K and N not
+multiples of their blocks."""
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
 
-from tests.ptx_emulator import emulate_ptx, prmt  # noqa: E402
+from tests.ptx_emulator import emulate_ptx
 from kernels_pallas import GmmConfig, MXFP4Weight, moe_gmm, moe_gmm_glu, moe_gmm_tile_metadata
-from kernels_pallas.moe import mxfp4, pair_mxfp4
-from kernels_pallas.moe.gmm import (_BF16_MAX_SCALE, DEQUANT_VARIANTS, _asm_nibble, _asm_t,
-                                    _dequant_split, _dequant_split_t, _dequant_tile, _perm_t,
-                                    _perm_t_index, dequant_variant)
+from kernels_pallas.moe import gather_rows, mxfp4, pair_mxfp4, split_x
+from kernels_pallas.moe.dequant import (BF16_MAX_SCALE, DEQUANT_VARIANTS, asm_sub, asm_t,
+                                        dequant_split, dequant_split_t, dequant_tile,
+                                        dequant_variant, perm_t, perm_t_index)
 
 
 def _rel(a, b):
@@ -38,83 +43,49 @@ def _groups(rng, m, g, kind):
 
 def _weights(rng, g, k, n, wtype):
     w = rng.standard_normal((g, n, k)).astype(np.float32) / np.sqrt(k)  # K3 layout [out, in]
-    if wtype == "mxfp4":
+    if wtype in ("mxfp4", "paired"):
         p, s = mxfp4.quantize(w)
-        return MXFP4Weight(jnp.asarray(p), jnp.asarray(s))
+        q = MXFP4Weight(jnp.asarray(p), jnp.asarray(s))
+        return pair_mxfp4(q) if wtype == "paired" else q
     dt = jnp.bfloat16 if wtype == "bf16" else jnp.float32
     return jnp.asarray(np.swapaxes(w, 1, 2), dt)  # ragged_dot layout [G, K, N]
 
 
+def _zero_past_sum(y, gs):
+    return np.all(np.asarray(y[int(np.sum(np.asarray(gs))):], np.float32) == 0.0)
+
+
+C = GmmConfig
 CASES = [
-    # (M, K, N, G, grouping, weights, x dtype, config)
-    (45, 64, 48, 6, "empty_and_short", "bf16", jnp.bfloat16, GmmConfig(16, 32, 32, num_stages=1)),
-    (77, 64, 32, 5, "random", "fp32", jnp.float32, GmmConfig(32, 32, 32, block_m_small=16)),
-    (50, 96, 32, 4, "one_takes_all", "bf16", jnp.bfloat16, GmmConfig(32, 16, 32, block_m_small=16)),
-    (61, 64, 64, 7, "empty_and_short", "mxfp4", jnp.bfloat16, GmmConfig(16, 32, 64)),
-    (40, 128, 32, 3, "one_takes_all", "mxfp4", jnp.float32, GmmConfig(32, 32, 64, block_m_small=16)),
-    (90, 64, 32, 9, "random", "mxfp4", jnp.bfloat16, None),
-]
-# every MXFP4 dequant variant: ragged K (96 = 64 + 32) and N (40 = 32 + 8) exercise the masks
-for _i, _v in enumerate(DEQUANT_VARIANTS):
-    CASES.append((61 + _i, 96, 40, 7, ("empty_and_short", "one_takes_all", "random")[_i % 3], "mxfp4",
-                  jnp.bfloat16, GmmConfig(16, 32, 64, dequant=_v)))
-CASES += [
-    (45, 128, 32, 5, "empty_and_short", "mxfp4", jnp.bfloat16,
-     GmmConfig(32, 32, 64, block_m_small=16, dequant="split_asm_sub", x_split="stride")),
-    (40, 96, 32, 3, "one_takes_all", "mxfp4", jnp.float32,
-     GmmConfig(16, 32, 64, dequant="split_asm")),
-    (52, 128, 64, 4, "random", "mxfp4", jnp.float32,
-     GmmConfig(32, 64, 128, block_m_small=16, dequant="interleave_bf16")),
-    # several column blocks per program (n_per_program): N 40 in blocks of 16, 2 or 4 a program
-    # (the last blocks partly / wholly past N), ragged K, bf16 and MXFP4, zero-group tiles
-    (45, 96, 40, 6, "empty_and_short", "bf16", jnp.bfloat16, GmmConfig(16, 16, 64, n_per_program=2)),
-    (61, 96, 40, 7, "empty_and_short", "mxfp4", jnp.bfloat16,
-     GmmConfig(16, 16, 64, dequant="split_asm_t", n_per_program=4)),
-    (52, 128, 64, 4, "random", "mxfp4", jnp.float32,
-     GmmConfig(32, 16, 32, block_m_small=16, dequant="split", n_per_program=2)),
-    # dense short tiles as the transposed product (transpose_small): ragged K and N
-    (77, 96, 40, 5, "random", "bf16", jnp.bfloat16,
-     GmmConfig(32, 16, 64, block_m_small=16, transpose_small=True)),
-    (50, 64, 48, 4, "empty_and_short", "fp32", jnp.float32,
-     GmmConfig(64, 32, 32, block_m_small=16, transpose_small=True, n_per_program=2)),
-    # fused tails (dense): a group's last tile up to block_m + block_m_small rows, in one
-    # program as two products on one weight tile (transposed tail or not), ragged K and N,
-    # zero-group tiles, one group taking every row
+    # (M, K, N, G, grouping, weights, x dtype, config); K 96 / N 40 or 48: ragged last blocks
+    # dense: fused tails (a group's last tile up to block_m + block_m_small rows in one program),
+    # transposed and not, with the short and full tiles of the other groups beside them
     (150, 96, 40, 4, "random", "bf16", jnp.bfloat16,
-     GmmConfig(32, 16, 64, block_m_small=16, transpose_small=True, fuse_tail=True)),
-    (140, 64, 48, 3, "empty_and_short", "fp32", jnp.float32,
-     GmmConfig(32, 32, 32, block_m_small=16, fuse_tail=True)),
-    (45, 64, 32, 3, "one_takes_all", "bf16", jnp.bfloat16,
-     GmmConfig(32, 32, 32, block_m_small=16, transpose_small=True, fuse_tail=True)),
-    (150, 96, 40, 4, "random", "mxfp4", jnp.bfloat16,
-     GmmConfig(32, 16, 64, block_m_small=16, dequant="split_asm_t", fuse_tail=True)),
-    (140, 128, 32, 3, "empty_and_short", "mxfp4", jnp.float32,
-     GmmConfig(32, 32, 64, block_m_small=16, dequant="split_asm_t", fuse_tail=True)),
-    # x resident: x's K blocks loaded once a program, the K blocks unrolled in the column-block
-    # loop (ragged K and N, zero-group tiles, the last program's blocks partly / wholly past N)
+     C(32, 16, 64, block_m_small=16, transpose_small=True, fuse_tail=True)),
+    (140, 64, 48, 3, "empty_and_short", "fp32", jnp.float32, C(32, 32, 32, block_m_small=16,
+                                                               fuse_tail=True)),
+    # dense: short tiles transposed in the flattened loop over 2 column blocks (one ragged)
+    (50, 64, 48, 4, "empty_and_short", "fp32", jnp.float32,
+     C(64, 32, 32, block_m_small=16, transpose_small=True, n_per_program=2)),
+    # dense: x resident over column blocks (the last program's blocks partly / wholly past N)
+    (45, 96, 40, 6, "empty_and_short", "bf16", jnp.bfloat16, C(16, 16, 64, n_per_program=2,
+                                                               x_resident=True)),
+    (50, 96, 32, 4, "one_takes_all", "bf16", jnp.bfloat16, C(32, 16, 32, block_m_small=16)),
+    # MXFP4: the flattened loop (the CUDA TP8 down form), x resident, fused tails
+    (61, 96, 40, 7, "random", "mxfp4", jnp.bfloat16, C(16, 16, 64, dequant="split_asm_t",
+                                                       n_per_program=4)),
     (61, 96, 40, 7, "empty_and_short", "mxfp4", jnp.bfloat16,
-     GmmConfig(16, 16, 64, dequant="split_asm_t", n_per_program=4, x_resident=True)),
-    (45, 96, 40, 6, "empty_and_short", "bf16", jnp.bfloat16,
-     GmmConfig(16, 16, 64, n_per_program=2, x_resident=True)),
+     C(16, 16, 64, dequant="split_asm_t", n_per_program=4, x_resident=True)),
     (52, 128, 64, 4, "random", "mxfp4", jnp.float32,
-     GmmConfig(32, 16, 32, block_m_small=16, dequant="split", n_per_program=3, x_resident=True)),
+     C(32, 16, 32, block_m_small=16, dequant="split", n_per_program=3, x_resident=True)),
+    (150, 96, 40, 4, "random", "mxfp4", jnp.bfloat16,
+     C(32, 16, 64, block_m_small=16, dequant="split_asm_t", fuse_tail=True)),
 ]
 
 
 def _case_id(c):
-    cfg = c[7]
-    tail = "" if cfg is None else f"-{cfg.dequant}"
-    if cfg is not None and cfg.x_split != "pre":
-        tail += f"-x{cfg.x_split}"
-    if cfg is not None and cfg.n_per_program > 1:
-        tail += f"-np{cfg.n_per_program}"
-    if cfg is not None and cfg.transpose_small:
-        tail += "-tsmall"
-    if cfg is not None and cfg.x_resident:
-        tail += "-xres"
-    if cfg is not None and cfg.fuse_tail:
-        tail += "-ftail"
-    return f"M{c[0]}K{c[1]}N{c[2]}G{c[3]}-{c[4]}-{c[5]}-{jnp.dtype(c[6]).name}" + tail
+    return (f"M{c[0]}K{c[1]}N{c[2]}G{c[3]}-{c[4]}-{c[5]}-{jnp.dtype(c[6]).name}-"
+            + c[7].name().replace("/", "-"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -128,193 +99,161 @@ def test_moe_gmm_matches_reference(case):
     ref = moe_gmm(x, w, gs, backend="reference")
     assert y.shape == (m, n) and y.dtype == xdt
     assert not np.any(np.isnan(np.asarray(y, np.float32)))
-    tol = 1e-2 if xdt == jnp.bfloat16 else 1e-5
-    assert _rel(y, ref) < tol
-    total = int(np.sum(np.asarray(gs)))
-    assert np.all(np.asarray(y[total:], np.float32) == 0.0), "rows past sum(group_sizes) must be 0"
-    # ragged_dot on the dequantised weights is the independent peer of the reference
-    wd = w if wtype != "mxfp4" else jnp.swapaxes(mxfp4.dequantize(w.packed, w.scales, xdt), 1, 2)
-    rd = jax.lax.ragged_dot(x, wd.astype(x.dtype), gs, preferred_element_type=jnp.float32)
-    assert _rel(y, rd) < tol
+    assert _rel(y, ref) < (1e-2 if xdt == jnp.bfloat16 else 1e-5)
+    assert _zero_past_sum(y, gs), "rows past sum(group_sizes) must be 0"
 
 
-@pytest.mark.parametrize("activation,wtype,dequant,n_per", [
-    ("swiglu", "bf16", "interleave", 1), ("situ", "mxfp4", "interleave", 1),
-    ("situ", "mxfp4", "split_asm_sub", 1), ("situ", "mxfp4", "split_asm_t", 1),
-    ("situ", "mxfp4", "split_asm_t", 2), ("swiglu", "bf16", "interleave", 2)])
-def test_moe_gmm_glu_matches_reference(activation, wtype, dequant, n_per):
-    """Fused gate/up (two accumulators a program) == the reference; n_per 2: both stored at the
-    end of each column block of the flattened loop (N 48 in blocks of 16: one program ragged)."""
-    m, k, n, g = 53, 64, 32 if n_per == 1 else 48, 6
+# Scale bytes each in-kernel encoding keeps exact (below 16 the products leave bf16's normal range;
+# the interpreter's bf16 bits end at 143, where the factor 2^(s-16) is bf16's largest power of two;
+# the GPU's "sub" bits at 142).
+_SCALES_F16 = [16, 17, 100, 117, 122, 126, 127, 128, 150, 200, 240, 250]
+_SCALES_BF16 = [16, 17, 60, 100, 117, 122, 126, 127, 128, 130, 142]
+
+
+@pytest.mark.parametrize("dequant,x_split,layout", [
+    ("interleave", "pre", "k3"), ("split", "pre", "k3"), ("split", "stride", "k3"),
+    ("split_asm_sub", "pre", "k3"), ("split_asm_t", "pre", "k3"), ("split_asm_t", "stride", "k3"),
+    ("split_asm_t", "pre", "paired"), ("interleave", "pre", "paired")])
+def test_mxfp4_exact_through_kernel(dequant, x_split, layout):
+    """One-hot x rows: out[i, n] must be exactly the dequantised w[group(i)][n, c_i]. Expert 0
+    holds every byte value, an all-zero scale group (byte 0) and the variant's scale range;
+    expert 1 is empty; rows past the sum are zero; K 96 and N 48 end in partial blocks (the
+    paired layout: decoded back to K3 bytes per tile by the interpreter)."""
+    k, n, g, m = 96, 48, 3, 48
+    gs = np.array([13, 0, 27], np.int32)
+    rng = np.random.default_rng(21)
+    packed = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    packed[0] = (np.arange(n)[:, None] * (k // 2) + np.arange(k // 2)[None, :]) % 256
+    sset = _SCALES_F16 if dequant_variant(dequant)[1] == "f16" else _SCALES_BF16
+    scales = rng.choice(np.array(sset, np.uint8), (g, n, k // 32))
+    packed[0, 2, 16:32] = 0  # an all-zero group with the quantiser's scale byte 0
+    scales[0, 2, 1] = 0
+    c = (np.arange(m) * 5 + 3) % k
+    x = np.zeros((m, k), np.float32)
+    x[np.arange(m), c] = 1.0
+    dense = np.asarray(mxfp4.dequantize(packed, scales, jnp.float32))  # [G, N, K]
+    grp = np.repeat(np.arange(g), gs)
+    want = np.zeros((m, n), np.float32)
+    want[:gs.sum()] = dense[grp, :, c[:gs.sum()]]
+    w = MXFP4Weight(jnp.asarray(packed), jnp.asarray(scales))
+    w = pair_mxfp4(w) if layout == "paired" else w
+    cfg = C(32, 32, 64, block_m_small=16, dequant=dequant, x_split=x_split)
+    y = moe_gmm(jnp.asarray(x, jnp.bfloat16), w, jnp.asarray(gs), backend="interpret", config=cfg,
+                preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(y), want)
+
+
+@pytest.mark.parametrize("activation,wtype,m,n,cfg,unfused", [
+    ("swiglu", "bf16", 53, 48, C(32, 16, 64, block_m_small=16, n_per_program=2), True),
+    ("situ", "mxfp4", 53, 32, C(32, 32, 64, block_m_small=16, dequant="split_asm_sub"), False),
+    ("situ", "mxfp4", 53, 48, C(32, 16, 64, block_m_small=16, dequant="split_asm_t",
+                                n_per_program=2), True),
+    # fused tails: four accumulators (two per row block), dense and paired MXFP4
+    ("situ", "bf16", 150, 32, C(32, 32, 32, block_m_small=16, transpose_small=True,
+                                fuse_tail=True), False),
+    ("situ", "paired", 150, 32, C(32, 32, 32, block_m_small=16, dequant="split_asm_t",
+                                  fuse_tail=True), False)],
+    ids=["dense-np2", "asm_sub", "asm_t-np2", "dense-ftail", "paired-ftail"])
+def test_moe_gmm_glu_matches_reference(activation, wtype, m, n, cfg, unfused):
+    """Fused gate/up (two accumulators a program, the activation in the epilogue) == the
+    reference; n_per_program 2: both stored at the end of each column block of the flattened
+    loop (N 48 in blocks of 16). unfused: two products with fp32 outputs (x split once), the
+    activation after: the same values."""
+    k, g = 64, 6 if m < 100 else 4
     rng = np.random.default_rng(7)
     gs = jnp.asarray(_groups(rng, m, g, "empty_and_short"))
     x = jnp.asarray(rng.standard_normal((m, k)) * 2, jnp.bfloat16)
     w1, w3 = _weights(rng, g, k, n, wtype), _weights(rng, g, k, n, wtype)
-    cfg = GmmConfig(32, 32 if n_per == 1 else 16, 64, block_m_small=16, dequant=dequant,
-                    n_per_program=n_per)
     y = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="interpret", config=cfg,
                     fuse=True)
     ref = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="reference")
-    assert _rel(y, ref) < 1e-2
-    total = int(np.sum(np.asarray(gs)))
-    assert np.all(np.asarray(y[total:], np.float32) == 0.0)
-    # unfused: two products with fp32 outputs, the activation after; the same values
-    yu = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="interpret", config=cfg,
-                     fuse=False)
-    assert _rel(yu, y) < 1e-2 and np.all(np.asarray(yu[total:], np.float32) == 0.0)
+    assert _rel(y, ref) < 1e-2 and _zero_past_sum(y, gs)
+    if unfused:
+        yu = moe_gmm_glu(x, w1, w3, gs, activation=activation, backend="interpret", config=cfg,
+                         fuse=False)
+        assert _rel(yu, y) < 1e-2 and _zero_past_sum(yu, gs)
 
 
-def test_moe_gmm_glu_fused_tail():
-    """The fused gate/up with fused tails: four accumulators (two per row block) == reference."""
-    m, k, n, g = 150, 64, 32, 4
-    rng = np.random.default_rng(9)
-    gs = jnp.asarray(_groups(rng, m, g, "empty_and_short"))
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w1, w3 = _weights(rng, g, k, n, "bf16"), _weights(rng, g, k, n, "bf16")
-    cfg = GmmConfig(32, 32, 32, block_m_small=16, transpose_small=True, fuse_tail=True)
-    y = moe_gmm_glu(x, w1, w3, gs, activation="situ", backend="interpret", config=cfg, fuse=True)
-    ref = moe_gmm_glu(x, w1, w3, gs, activation="situ", backend="reference")
-    assert _rel(y, ref) < 1e-2
+def test_fuse_tail_refusals():
     with pytest.raises(ValueError, match="fuse_tail needs"):
-        GmmConfig(32, 32, 32, fuse_tail=True)
-    # MXFP4: the paired layout's fused tails (two accumulators per row block), and the variants
-    # that cannot share one dequantised tile refused
-    wq1, wq3 = (pair_mxfp4(_weights(rng, g, k, n, "mxfp4")) for _ in range(2))
-    cfg = GmmConfig(32, 32, 32, block_m_small=16, dequant="split_asm_t", fuse_tail=True)
-    y = moe_gmm_glu(x, wq1, wq3, gs, activation="situ", backend="interpret", config=cfg, fuse=True)
-    assert _rel(y, moe_gmm_glu(x, wq1, wq3, gs, activation="situ", backend="reference")) < 1e-2
-    with pytest.raises(ValueError, match="fuse_tail with MXFP4"):
-        moe_gmm(x, _weights(rng, g, k, n, "mxfp4"), gs, backend="interpret",
-                config=GmmConfig(32, 32, 32, block_m_small=16, dequant="split", fuse_tail=True))
+        C(32, 32, 32, fuse_tail=True)
+    rng = np.random.default_rng(9)
+    x = jnp.zeros((40, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="fuse_tail with MXFP4"):  # no shared dequantised tile
+        moe_gmm(x, _weights(rng, 2, 64, 32, "mxfp4"), jnp.array([20, 20], jnp.int32),
+                backend="interpret",
+                config=C(32, 32, 32, block_m_small=16, dequant="split", fuse_tail=True))
 
 
-@pytest.mark.parametrize("tail", [0, 8])
-def test_tile_metadata_covers_rows_once(tail):
-    """Every row in exactly one tile of its group; tiles within block_m rows (with `tail`: a
-    group's last tile within block_m + tail, the zero group's within block_m), and a group of
-    block_m + tail rows or fewer one tile."""
-    rng = np.random.default_rng(3)
-    for m, g, bm in [(100, 7, 16), (33, 4, 32), (16, 3, 16), (5, 9, 16), (90, 3, 16)]:
-        gs = _groups(rng, m, g, "empty_and_short")
-        meta = np.asarray(moe_gmm_tile_metadata(jnp.asarray(gs), m, bm, tail))
-        assert meta.shape == (3, -(-m // bm) + g)
-        cover = np.zeros(m, np.int32)
-        owner = np.repeat(np.arange(g), gs)
-        for grp, s, e in meta.T:
-            if grp < 0:
-                continue
-            assert 0 < e - s <= (bm + tail if grp < g else bm)
-            cover[s:e] += 1
-            if grp < g:
-                assert np.all(owner[s:e] == grp)
-            else:
-                assert s >= gs.sum()
-        assert np.all(cover == 1)
-        per_group = np.bincount(meta[0][(meta[0] >= 0) & (meta[0] < g)], minlength=g)
-        assert np.all(per_group[(gs > 0) & (gs <= bm + tail)] == 1)
-
-
-def test_tile_plan_kernel_equals_tile_metadata():
-    """The one-launch Pallas tile plan (interpret) == the plain-JAX tile_metadata, on random
-    groupings with empty experts, one expert taking every row, sum > M (clipped), G = 896."""
-    from kernels_pallas.moe.tiles import tile_plan
+def test_tile_plan_covers_rows_once_and_equals_tile_metadata():
+    """tile_metadata: every row in exactly one tile of its group; tiles within block_m rows (with
+    `tail`: a group's last tile within block_m + tail, the zero group's within block_m), and a
+    group of block_m + tail rows or fewer one tile. The one-launch Pallas tile plan (interpret)
+    gives the same table; groupings with empty experts, one expert taking every row, sum > M
+    (clipped), M < G, block_m > M and K3's G = 896."""
     rng = np.random.default_rng(11)
-    cases = [(100, 7, 16), (33, 4, 32), (5, 9, 16), (1024, 896, 16), (64, 1, 16), (40, 3, 128)]
-    for m, g, bm in cases:
-        for trial in range(3):
-            gs = rng.multinomial(m + (9 if trial == 2 else 0), rng.dirichlet(np.full(g, 0.3)))
-            if trial == 1:
-                gs[:] = 0
-                gs[rng.integers(g)] = m
-            gs = jnp.asarray(gs, jnp.int32)
-            for tail in (0, bm // 4):
+    meta_fn = jax.jit(moe_gmm_tile_metadata, static_argnums=(1, 2, 3))
+    from kernels_pallas.moe.tiles import tile_plan
+    for m, g, bm in [(100, 7, 16), (5, 9, 16), (1024, 896, 16), (40, 3, 128)]:
+        for tail in (0, bm // 4):
+            for trial in range(3):  # sum < M (a zero group), one expert takes all, sum > M
+                rows = (m - min(3, m - 1), m, m + 9)[trial]
+                gs = rng.multinomial(rows, rng.dirichlet(np.full(g, 0.3)))
+                if trial == 1:
+                    gs[:] = 0
+                    gs[rng.integers(g)] = m
+                gs = gs.astype(np.int32)
+                meta = np.asarray(meta_fn(jnp.asarray(gs), m, bm, tail))
                 np.testing.assert_array_equal(
-                    np.asarray(tile_plan(gs, m, bm, interpret=True, tail=tail)),
-                    np.asarray(moe_gmm_tile_metadata(gs, m, bm, tail)))
-
-
-def test_mxfp4_unpack_hand_built_bytes():
-    # 0x21: low nibble 1 -> 0.5 (column 0), high nibble 2 -> 1.0 (column 1); 0xF8: -0, -6
-    row = np.array([0x21, 0xF8] + [0x00] * 14, np.uint8)
-    packed = np.stack([row, row])[None]                   # [1, 2, 16] -> K = 32
-    scales = np.array([[[127], [128]]], np.uint8)        # row 1: scale byte 128 doubles
-    want = np.zeros((2, 32), np.float32)
-    want[0, :4] = [0.5, 1.0, -0.0, -6.0]
-    want[1, :4] = [1.0, 2.0, -0.0, -12.0]
-    np.testing.assert_array_equal(np.asarray(mxfp4.dequantize(packed, scales, jnp.float32))[0], want)
-    # in-kernel decoding (times 2^-14, undone on the accumulator) is exact for every byte and scale
-    allb = np.arange(256, dtype=np.uint8).reshape(16, 16)
-    # scale bytes 16..240 (the kernel flushes products below 2^-126 * 2^-14 to zero)
-    sc = np.array([[100], [126], [127], [128], [150], [16], [17], [240]] * 2, np.uint8)
-    got = np.asarray(_dequant_tile(jnp.asarray(allb), jnp.asarray(sc), jnp.float32)) * 2.0 ** 14
-    np.testing.assert_array_equal(got, np.asarray(mxfp4.dequantize(allb, sc, jnp.float32)))
-    # through the kernel: x = identity picks weight columns, out[i, n] = w[n, i]
-    x = jnp.eye(32, dtype=jnp.float32)
-    pk = np.zeros((1, 16, 16), np.uint8)
-    sk = np.full((1, 16, 1), 127, np.uint8)
-    pk[0, :2] = packed[0]
-    sk[0, :2] = scales[0]
-    y = moe_gmm(x, MXFP4Weight(jnp.asarray(pk), jnp.asarray(sk)), jnp.array([32], jnp.int32),
-                backend="interpret", config=GmmConfig(16, 16, 32))
-    np.testing.assert_array_equal(np.asarray(y)[:, :2].T, want)
-    assert np.all(np.asarray(y)[:, 2:] == 0)
-
-
-# Scale bytes each in-kernel encoding keeps exact (below 16 the products leave bf16's normal range;
-# the "bf16" encodings end at 143, where the factor 2^(s-16) is bf16's largest power of two).
-_SCALES_F16 = [16, 17, 100, 117, 122, 126, 127, 128, 150, 200, 240, 250]
-_SCALES_BF16 = [16, 17, 60, 100, 117, 122, 126, 127, 128, 130, 142, _BF16_MAX_SCALE]
+                    np.asarray(tile_plan(jnp.asarray(gs), m, bm, interpret=True, tail=tail)), meta)
+                assert meta.shape == (3, -(-m // bm) + g)
+                if trial == 2:  # sum > M breaks the contract: only the clipping is checked
+                    continue
+                cover = np.zeros(m, np.int32)
+                owner = np.repeat(np.arange(g), gs)
+                for grp, s, e in meta.T:
+                    if grp < 0:
+                        continue
+                    assert 0 < e - s <= (bm + tail if grp < g else bm)
+                    cover[s:e] += 1
+                    if grp < g:
+                        assert np.all(owner[s:e] == grp)
+                    else:
+                        assert s >= gs.sum()
+                assert np.all(cover == 1)
+                per_group = np.bincount(meta[0][(meta[0] >= 0) & (meta[0] < g)], minlength=g)
+                assert np.all(per_group[(gs > 0) & (gs <= bm + tail)] == 1)
 
 
 def test_dequant_encodings_exact_for_every_byte():
-    """_dequant_tile / _dequant_split (times 2^-14, undone on the accumulator) equal the codec for
-    every byte, both nibble orders, each encoding's scale range, and an all-zero group (s = 0)."""
-    allb = np.arange(256, dtype=np.uint8).reshape(16, 16)  # [bn = 16, K/2 = 16]: K = 32, 1 group
-    for bits, scales in (("f16", _SCALES_F16), ("bf16", _SCALES_BF16)):
-        sc = np.resize(np.array(scales, np.uint8), 16)[:, None]
+    """The codec on hand-built bytes; the in-kernel dequantisations (times 2^-14, undone on the
+    accumulator) equal it for every byte, both nibble orders, each encoding's scale range and an
+    all-zero group (s = 0); beyond the bf16 range they are loud (inf / nan)."""
+    # 0x21: low nibble 1 -> 0.5 (column 0), high nibble 2 -> 1.0 (column 1); 0xF8: -0, -6
+    row = np.array([0x21, 0xF8] + [0x00] * 14, np.uint8)
+    hand = np.asarray(mxfp4.dequantize(np.stack([row, row]), np.array([[127], [128]], np.uint8),
+                                       jnp.float32))
+    np.testing.assert_array_equal(hand[:, :4], [[0.5, 1.0, -0.0, -6.0], [1.0, 2.0, -0.0, -12.0]])
+    assert np.all(hand[:, 4:] == 0)
+    allb = jnp.asarray(np.arange(256, dtype=np.uint8).reshape(16, 16))  # [bn 16, K/2 16]: 1 group
+    for bits, scales in (("f16", _SCALES_F16), ("asm_sub", _SCALES_BF16 + [BF16_MAX_SCALE])):
+        sc = jnp.asarray(np.resize(np.array(scales, np.uint8), 16)[:, None])
         want = np.asarray(mxfp4.dequantize(allb, sc, jnp.float32))  # [16, 32]
-        got = np.asarray(_dequant_tile(jnp.asarray(allb), jnp.asarray(sc), jnp.float32, bits))
-        np.testing.assert_array_equal(got * 2.0 ** 14, want)
-        lo, hi = _dequant_split(jnp.asarray(allb), jnp.asarray(sc), jnp.float32, bits)
+        if bits == "f16":
+            got = np.asarray(dequant_tile(allb, sc, jnp.float32))
+            np.testing.assert_array_equal(got * 2.0 ** 14, want)
+        lo, hi = dequant_split(allb, sc, jnp.float32, bits)  # asm_sub: the interpreter's bits
         np.testing.assert_array_equal(np.asarray(lo) * 2.0 ** 14, want[:, 0::2])
         np.testing.assert_array_equal(np.asarray(hi) * 2.0 ** 14, want[:, 1::2])
-        zero = np.zeros((2, 16), np.uint8)
-        lo, hi = _dequant_split(jnp.asarray(zero), jnp.zeros((2, 1), jnp.uint8), jnp.bfloat16, bits)
+        lo, hi = dequant_split(jnp.zeros((2, 16), jnp.uint8), jnp.zeros((2, 1), jnp.uint8),
+                               jnp.bfloat16, bits)
         assert np.all(np.asarray(lo, np.float32) == 0) and np.all(np.asarray(hi, np.float32) == 0)
-    # bf16 encodings beyond their range are loud (inf / nan), not silently wrong
-    lo, _ = _dequant_split(jnp.asarray(allb[:1]), jnp.full((1, 1), _BF16_MAX_SCALE + 1, jnp.uint8),
-                           jnp.float32, "bf16")
+    lo, _ = dequant_split(allb[:1], jnp.full((1, 1), BF16_MAX_SCALE + 1, jnp.uint8), jnp.float32,
+                          "asm_sub")
     assert not np.any(np.isfinite(np.asarray(lo)))
 
 
-@pytest.mark.parametrize("dequant", DEQUANT_VARIANTS)
-def test_mxfp4_variant_exact_through_kernel(dequant):
-    """One-hot x rows on one expert that holds every byte value and the variant's scale range:
-    out[i, n] must be the exact dequantised w[n, c_i] (several row tiles, both nibbles, all
-    groups)."""
-    k, n, g, m = 128, 32, 3, 48
-    rng = np.random.default_rng(21)
-    packed = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
-    packed[1] = ((np.arange(n)[:, None] * 5 + np.arange(k // 2)[None, :]) % 256)
-    _, bits = dequant_variant(dequant)
-    sset = _SCALES_F16 if bits == "f16" else _SCALES_BF16
-    scales = rng.choice(np.array(sset, np.uint8), (g, n, k // 32))
-    packed[1, 2, 16:32] = 0  # an all-zero group with the quantiser's scale byte 0
-    scales[1, 2, 1] = 0
-    c = (np.arange(m) * 5 + 3) % k
-    x = np.zeros((m, k), np.float32)
-    x[np.arange(m), c] = 1.0
-    want = np.asarray(mxfp4.dequantize(packed[1], scales[1], jnp.float32))[:, c].T
-    w = MXFP4Weight(jnp.asarray(packed), jnp.asarray(scales))
-    gs = jnp.array([0, m, 0], jnp.int32)
-    for x_split in ("pre", "stride") if dequant.startswith("split") else ("pre",):
-        cfg = GmmConfig(16, 32, 64, dequant=dequant, x_split=x_split)
-        y = moe_gmm(jnp.asarray(x, jnp.bfloat16), w, gs, backend="interpret", config=cfg,
-                    preferred_element_type=jnp.float32)
-        np.testing.assert_array_equal(np.asarray(y), want)
-
-
-# ---- "split_asm_t": column order, the jnp path for every byte, and its PTX emulated in numpy ----
+# ---- "split_asm_t" column order; the PTX of both CUDA variants emulated in numpy ----
 
 def _perm_t_reference(w, s):
     """p(L) for L in [0, w) as documented: L = 16 s_ + 8 F + 2 t + E  <-  4 (s t + s_) + 2 F + E."""
@@ -326,48 +265,21 @@ def _perm_t_reference(w, s):
     return out
 
 
-@pytest.mark.parametrize("s", [1, 2, 4, 8, 16])
-def test_split_asm_t_column_order(s):
-    """`_perm_t` (reshape + transpose), `_perm_t_index` (arithmetic, the strided x path) and the
-    documented formula agree, and are a permutation within each K block."""
-    w = 3 * 16 * s
-    ref = _perm_t_reference(w, s)
-    assert sorted(ref) == list(range(w))
-    got = np.asarray(_perm_t(jnp.arange(w, dtype=jnp.int32)[None, :], s))[0]
-    np.testing.assert_array_equal(got, ref)
-    np.testing.assert_array_equal(np.asarray(_perm_t_index(jnp.arange(w, dtype=jnp.int32), s)), ref)
-    # a thread (t) of one 16-wide step (s_) takes the 4 bytes of one word, its words contiguous
-    for t in range(4):
-        words = {ref[16 * s_ + 8 * F + 2 * t + E] // 4
-                 for s_ in range(s) for F in (0, 1) for E in (0, 1)}
-        assert words == set(range(s * t, s * t + s))
-
-
-_SCALES_T = [0, 16, 17, 60, 100, 117, 122, 126, 127, 128, 130, 142]  # 0: the all-zero group
-
-
-def _tile_every_byte(s, scale_bytes):
-    """packed [256 / (16 s), 16 s] with every byte value once; scales [rows, s] from scale_bytes."""
-    w = 16 * s
-    pb = np.arange(256, dtype=np.uint8).reshape(256 // w, w)
-    sc = np.resize(np.asarray(scale_bytes, np.uint8), (256 // w) * s).reshape(256 // w, s)
-    return pb, sc
-
-
-@pytest.mark.parametrize("s", [2, 8])
-def test_split_asm_t_jnp_exact_every_byte(s):
-    """The interpreter path of "split_asm_t" (times 2^-14, undone on the accumulator) equals the
-    codec for every byte value and scale bytes 16..142 (and 0 with zero bytes), `_perm_t` order."""
-    perm = _perm_t_reference(16 * s, s)
-    for scales in [[v] for v in _SCALES_T[1:]] + [_SCALES_T[1:]]:
-        pb, sc = _tile_every_byte(s, scales)
-        want = np.asarray(mxfp4.dequantize(pb, sc, jnp.float32))  # [rows, 32 s] natural order
-        lo, hi = _dequant_split_t(jnp.asarray(pb), jnp.asarray(sc), jnp.float32)
-        np.testing.assert_array_equal(np.asarray(lo) * 2.0 ** 14, want[:, 2 * perm])
-        np.testing.assert_array_equal(np.asarray(hi) * 2.0 ** 14, want[:, 2 * perm + 1])
-    zero = np.zeros((2, 16 * s), np.uint8)
-    lo, hi = _dequant_split_t(jnp.asarray(zero), jnp.zeros((2, s), jnp.uint8), jnp.bfloat16)
-    assert np.all(np.asarray(lo, np.float32) == 0) and np.all(np.asarray(hi, np.float32) == 0)
+def test_split_asm_t_column_order():
+    """`perm_t` (reshape + transpose), `perm_t_index` (arithmetic, the strided x path) and the
+    documented formula agree, and are a permutation within each K block; a thread (t) of one
+    16-wide step takes the 4 bytes of one word, its words contiguous."""
+    for s in (1, 2, 4, 8, 16):
+        w = 3 * 16 * s
+        ref = _perm_t_reference(w, s)
+        assert sorted(ref) == list(range(w))
+        j = jnp.arange(w, dtype=jnp.int32)
+        np.testing.assert_array_equal(np.asarray(perm_t(j[None], s))[0], ref)
+        np.testing.assert_array_equal(np.asarray(perm_t_index(j, s)), ref)
+        for t in range(4):
+            words = {ref[16 * s_ + 8 * F + 2 * t + E] // 4
+                     for s_ in range(s) for F in (0, 1) for E in (0, 1)}
+            assert words == set(range(s * t, s * t + s))
 
 
 def _bf16_times(bits, factor_bits):
@@ -381,91 +293,90 @@ def _bf16_times(bits, factor_bits):
     return (pb >> 16).astype(np.uint16)
 
 
-def _emulate_split_asm_t_tile(pb, sc, rng):
-    """The GPU computation of `_dequant_split_t` in numpy: `_perm_t` order, the PTX of `_asm_t`
-    run on groups of 4 bytes packed in a RANDOM order (Triton chooses the register order; the PTX
-    is elementwise, so any packing must give the same tile), then times 2^(s-15) (bf16_sub)."""
-    rows, w = pb.shape
-    s = w // 16
-    perm = _perm_t_reference(w, s)
-    pt = pb[:, perm].reshape(-1)
-    order = rng.permutation(pt.size).reshape(-1, 4)  # 4 arbitrary elements per asm instance
-    shifts = np.array([0, 8, 16, 24], np.uint32)
-    words = (pt[order].astype(np.uint32) << shifts).sum(1, dtype=np.uint32)
-    out = {}
+def _emulate_ptx_tile(code, pt, rng):
+    """The PTX `code(half)` run on the bytes pt [rows, w] (in the order the weights come out),
+    packed 4 per asm instance in a RANDOM order (Triton chooses the register order; the PTX is
+    elementwise, so any packing must give the same tile) -> (lo, hi) bf16 bits [rows, w]."""
+    flat = pt.reshape(-1)
+    order = rng.permutation(flat.size).reshape(-1, 4)
+    words = (flat[order].astype(np.uint32) << np.array([0, 8, 16, 24], np.uint32)).sum(
+        1, dtype=np.uint32)
+    out = []
     for half in ("lo", "hi"):
-        r0, r1 = emulate_ptx(_asm_t(half), [words], 2)
+        r0, r1 = emulate_ptx(code(half), [words], 2)
         halves = np.stack([r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16], 1).astype(np.uint32)
-        flat = np.zeros(pt.size, np.uint32)
-        flat[order.reshape(-1)] = halves.reshape(-1)
-        out[half] = flat.reshape(rows, w)
-    f = (np.minimum(sc.astype(np.int64) + 112, 255) << 7).astype(np.uint32)  # 2^(s-15), bf16
-    fac = np.repeat(f, 16, axis=1)[:, perm]
-    return tuple(_bf16_times(out[h], fac) for h in ("lo", "hi"))
+        res = np.zeros(flat.size, np.uint32)
+        res[order.reshape(-1)] = halves.reshape(-1)
+        out.append(res.reshape(pt.shape))
+    return out
 
 
-@pytest.mark.parametrize("s", [2, 8])
-def test_split_asm_t_ptx_emulated_matches_jnp_path(s):
-    """The PTX of "split_asm_t" (emulated: prmt per the PTX ISA, integer ops mod 2^32), times the
-    GPU factor 2^(s-15) in bf16, gives the same bits as the interpreter's jnp path (whose own
-    encoding and factor differ: value * 2^-125 times 2^(s-16)) for every byte and scale byte
-    16..142, with the bytes packed 4 per instance in random order."""
+@pytest.mark.parametrize("dequant", ["split_asm_sub", "split_asm_t"])
+def test_ptx_emulated_matches_interpreter(dequant):
+    """The CUDA variants' PTX (emulated from its text: prmt per the PTX ISA, integer ops mod 2^32)
+    gives the "sub" bits (sign << 15 | magnitude << 6) of every nibble, and times the GPU factor
+    2^(s-15) in bf16 the same weights as the interpreter's path (value * 2^-125 times 2^(s-16)),
+    for every byte, every scale byte 16..142 and the all-zero group, and equal to the codec; K
+    blocks of 2 and 8 steps for "split_asm_t"'s column order."""
     rng = np.random.default_rng(5)
-    for scales in [[v] for v in _SCALES_T[1:]] + [_SCALES_T[1:]]:
-        pb, sc = _tile_every_byte(s, scales)
-        lo_e, hi_e = _emulate_split_asm_t_tile(pb, sc, rng)
-        lo, hi = _dequant_split_t(jnp.asarray(pb), jnp.asarray(sc), jnp.bfloat16)
-        np.testing.assert_array_equal(lo_e, np.asarray(lo).view(np.uint16))
-        np.testing.assert_array_equal(hi_e, np.asarray(hi).view(np.uint16))
-    # the raw PTX bits are the "split_asm_sub" encoding: sign << 15 | magnitude << 6
+    code = asm_t if dequant == "split_asm_t" else asm_sub
     b = np.arange(256, dtype=np.uint32)
     for half, nib in (("lo", b & 15), ("hi", b >> 4)):
-        r0, _ = emulate_ptx(_asm_t(half), [b | (b << 8)], 2)
+        r0, r1 = emulate_ptx(code(half), [b * 0x01010101], 2)  # every slot holds byte b
         want = ((nib & 8) << 12) | ((nib & 7) << 6)
-        np.testing.assert_array_equal(r0 & 0xFFFF, want)
-        np.testing.assert_array_equal(r0 >> 16, want)
-
-
-def test_split_asm_sub_ptx_emulated():
-    """The same emulator on the existing "split_asm" / "split_asm_sub" PTX (`_asm_nibble`): both
-    give their documented bits for every byte (a check of the emulator as much as of the PTX)."""
-    b = np.arange(256, dtype=np.uint32)
-    t = prmt(b | (b << 8), 0, 0x1404)  # the spread their asm starts with
-    for enc in ("sub", "normal"):
-        for half, nib in (("lo", b & 15), ("hi", b >> 4)):
-            code = "mov.b32 c, 0x00800080;\nmov.b32 t, $1;\n" + _asm_nibble(enc, half, "$0")
-            [r] = emulate_ptx(code, [t], 1)
-            mag = (nib & 7) << 6
-            if enc == "normal":
-                mag = mag + np.minimum(mag, 0x80)
-            want = ((nib & 8) << 12) | mag
+        for r in (r0, r1):
             np.testing.assert_array_equal(r & 0xFFFF, want)
             np.testing.assert_array_equal(r >> 16, want)
+    for s in ((2, 8) if dequant == "split_asm_t" else (1,)):
+        w = 16 * s
+        every = np.arange(256, dtype=np.uint8).reshape(256 // w, w)  # every byte once
+        # every byte at each scale byte, then at scale bytes mixed over the groups, then zeros
+        pb = np.concatenate([every] * (len(_SCALES_BF16) + 1) + [np.zeros((2, w), np.uint8)])
+        sc = np.concatenate([np.full((256 // w, s), v, np.uint8) for v in _SCALES_BF16]
+                            + [np.resize(np.array(_SCALES_BF16[::-1], np.uint8), (256 // w, s)),
+                               np.zeros((2, s), np.uint8)])
+        perm = _perm_t_reference(w, s) if dequant == "split_asm_t" else np.arange(w)
+        fn = (dequant_split_t if dequant == "split_asm_t"
+              else lambda p, q, dt: dequant_split(p, q, dt, "asm_sub"))
+        lo, hi = fn(jnp.asarray(pb), jnp.asarray(sc), jnp.bfloat16)
+        f = (np.minimum(sc.astype(np.int64) + 112, 255) << 7).astype(np.uint32)  # 2^(s-15), bf16
+        fac = np.repeat(f, 16, axis=1)[:, perm]
+        codec = np.asarray(mxfp4.dequantize(pb, sc, jnp.float32))  # [rows, 32 s] natural order
+        for got, bits, nib in zip((lo, hi), _emulate_ptx_tile(code, pb[:, perm], rng), (0, 1)):
+            np.testing.assert_array_equal(_bf16_times(bits, fac), np.asarray(got).view(np.uint16))
+            np.testing.assert_array_equal(np.asarray(got, np.float32) * 2.0 ** 14,
+                                          codec[:, 2 * perm + nib])
 
 
 def test_config_validation():
     with pytest.raises(ValueError):
-        GmmConfig(dequant="nibble")
+        C(dequant="nibble")
+    for gone in ("interleave_bf16", "split_bf16", "split_asm"):
+        with pytest.raises(ValueError, match="not one of"):
+            C(dequant=gone)
+    assert set(DEQUANT_VARIANTS) == {"interleave", "split", "split_asm_sub", "split_asm_t"}
     with pytest.raises(ValueError):
-        GmmConfig(x_split="gather")
+        C(x_split="gather")
     with pytest.raises(ValueError, match="n_per_program"):
-        GmmConfig(n_per_program=0)
+        C(n_per_program=0)
     with pytest.raises(ValueError, match="n_per_program > 1"):
-        GmmConfig(x_resident=True)
-    assert GmmConfig(16, 128, 128, n_per_program=4, transpose_small=True).name() == \
+        C(x_resident=True)
+    assert C(16, 128, 128, n_per_program=4, transpose_small=True).name() == \
         "bm16/None_bn128_bk128_w4_s3_np4_tsmall"
     assert dequant_variant("split_asm_sub") == (True, "asm_sub")
     assert dequant_variant("split_asm_t") == (True, "asm_t")
     assert dequant_variant("interleave") == (False, "f16")
-    assert GmmConfig(16, 128, 256, dequant="split_asm", x_split="stride").name() == \
-        "bm16/None_bn128_bk256_w4_s3_split_asm_xstride"
+    assert C(16, 128, 256, dequant="split_asm_t", x_split="stride").name() == \
+        "bm16/None_bn128_bk256_w4_s3_split_asm_t_xstride"
 
 
 def test_default_config_by_platform():
     """MXFP4 decode: inline PTX ("split_asm_t", bk256; "split_asm_sub" for the fused gate/up)
     only on CUDA with bf16 activations, the portable "split" (bk128) on ROCm, CPU and the
-    interpreter; bf16 prefill 4 stages."""
-    from kernels_pallas.moe.gmm import default_config, kernel_platform
+    interpreter; bf16 prefill 4 stages; the regime rules beyond the table."""
+    from kernels_pallas._backend import kernel_platform
+    from kernels_pallas.moe import default_config
+    from kernels_pallas.moe.tuning import lookup, shape_class
 
     G, K, N = 896, 3584, 768
     for tokens in (64, 512):
@@ -484,9 +395,18 @@ def test_default_config_by_platform():
     c = default_config(16 * 8192, G, K, N, False)
     assert (c.block_m, c.block_m_small, c.block_n, c.block_k, c.num_warps, c.num_stages,
             c.transpose_small, c.fuse_tail) == (128, 32, 256, 64, 8, 4, True, True)
-    assert default_config(16 * 8192, G, K, N, True).num_stages == 3        # MXFP4 prefill
+    # no table row: the regime rules (MXFP4 prefill, fused GLU prefill, the middle regime)
+    for cls in (shape_class(16 * 8192, G, K, N, True), shape_class(16 * 8192, G, K, N // 2, False,
+                                                                   True),
+                shape_class(50 * G, G, K, N, True)):
+        assert lookup("cuda", cls)[0] is None, cls
+    c = default_config(16 * 8192, G, K, N, True)
+    assert (c.num_stages, c.dequant) == (3, "interleave")                  # MXFP4 prefill
     c = default_config(16 * 8192, G, K, N // 2, False, True)                     # fused GLU
     assert (c.block_m, c.block_n, c.num_warps, c.num_stages) == (128, 64, 8, 3)
+    c = default_config(50 * G, G, 3000, 40, False)  # middle; K 3000 (no multiple of 64), N 40
+    assert (c.block_m, c.block_m_small, c.block_n, c.block_k) == (64, 16, 64, 32)
+    assert default_config(16, 8, 256, 40, False, True).block_n == 32      # narrow N, fused GLU
 
     class _Client:
         def __init__(self, version):
@@ -502,43 +422,73 @@ def test_default_config_by_platform():
     assert kernel_platform(_Dev("<unknown>", "AMD Instinct MI300X")) == "gpu"
 
 
-def test_default_config_runs_in_interpret_mode():
-    """config=None on the interpreter at decode shapes (the "split" default), MXFP4 and GLU."""
+def test_cuda_decode_takes_k_blocks_of_128_only_in_the_flattened_loop():
+    """split_asm_t at K blocks of 128 raced on the H200 in the plain K loop: K blocks of 256 where
+    256 divides K; otherwise (384, a TP8 rank's down projection) 128 in a loop over column blocks
+    (paired: 7 a program with x resident for K <= 512; 4 in the flattened loop otherwise). Both
+    layouts; the paired layout takes split_asm_t in every regime on CUDA."""
+    from kernels_pallas.moe import default_config
+    for layout in ("k3", "paired"):
+        for k in (3072, 3584):
+            cfg = default_config(64 * 16, 896, k, 3584, True, platform="cuda", layout=layout)
+            assert cfg.dequant == "split_asm_t" and cfg.block_k == 256, (layout, k, cfg)
+            assert cfg.n_per_program == 1
+        cfg = default_config(512 * 16, 896, 384, 3584, True, platform="cuda", layout=layout)
+        assert (cfg.dequant, cfg.block_k, cfg.n_per_program, cfg.num_stages, cfg.x_resident) \
+            == (("split_asm_t", 128, 7, 3, True) if layout == "paired"
+                else ("split_asm_t", 128, 4, 3, False)), (layout, cfg)
+        for k in (640, 96):  # K blocks of 128 as they are (96: one partial block)
+            cfg = default_config(512 * 16, 896, k, 3584, True, platform="cuda", layout=layout)
+            assert (cfg.block_k, cfg.n_per_program, cfg.x_resident) == \
+                ((128, 7, True) if layout == "paired" and k == 96 else (128, 4, False)), (k, cfg)
+    for m in (50 * 896, 8192 * 16):  # middle, prefill
+        cfg = default_config(m, 896, 3584, 768, True, platform="cuda", layout="paired")
+        assert cfg.dequant == "split_asm_t" and cfg.block_m > 16
+        assert default_config(m, 896, 3584, 768, True, platform="rocm",
+                              layout="paired").dequant == "interleave"
+
+
+def test_default_config_and_gather_rows_in_interpret_mode():
+    """config=None on the interpreter at decode shapes (the "split" default): moe_gmm, and the
+    MoE layer's path: gather_rows (x split before the gather) then the gate/up fused or not."""
     rng = np.random.default_rng(31)
     m, k, n, g = 12, 256, 64, 16
     gs = jnp.asarray(_groups(rng, m, g, "random"))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rows = jnp.asarray(rng.permutation(m), jnp.int32)
     w1, w3 = (_weights(rng, g, k, n, "mxfp4") for _ in range(2))
-    y = moe_gmm(x, w1, gs, backend="interpret")
-    assert _rel(y, moe_gmm(x, w1, gs, backend="reference")) < 1e-2
-    ref = moe_gmm_glu(x, w1, w3, gs, backend="reference")
+    y = moe_gmm(x[rows], w1, gs, backend="interpret")
+    assert _rel(y, moe_gmm(x[rows], w1, gs, backend="reference")) < 1e-2
+    xs = gather_rows(x, rows, w1, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(xs.dense()), np.asarray(x[rows]))
+    np.testing.assert_array_equal(np.asarray(moe_gmm(xs, w1, gs, backend="interpret")),
+                                  np.asarray(y))
+    ref = moe_gmm_glu(x[rows], w1, w3, gs, backend="reference")
     for fuse in (True, False):  # the fused kernel's default config, and the unfused default
-        y = moe_gmm_glu(x, w1, w3, gs, backend="interpret", fuse=fuse)
-        assert _rel(y, ref) < 2e-2, fuse
+        xg = gather_rows(x, rows, w1, backend="interpret", fused_glu=fuse)
+        assert _rel(moe_gmm_glu(xg, w1, w3, gs, backend="interpret", fuse=fuse), ref) < 2e-2, fuse
+    np.testing.assert_array_equal(np.asarray(gather_rows(x, rows, w1, backend="reference")),
+                                  np.asarray(x[rows]))
 
 
 def test_benchmark_kernels_lower_for_h200():
     """Every kernel the MoE benchmark times (each layer shape at its CUDA default config, MXFP4 in
-    both layouts, bf16, the fused gate/up) and every dequantisation variant at the decode blocks
-    lowers to Triton IR for an H200."""
+    both layouts, bf16, the fused gate/up) lowers to Triton IR for an H200, and so do the
+    portable "split" decode and the fused gate/up in "split_asm_t", which no benchmark row runs
+    on CUDA."""
     from benchmarks.moe import lower_check
     from kernels_pallas.gpu_lowering import lower_for_gpu as lower_cuda
     assert lower_check(lower_cuda, log=lambda s: None) == []
     sd = jax.ShapeDtypeStruct
     wq = MXFP4Weight(sd((896, 768, 1792), jnp.uint8), sd((896, 768, 112), jnp.uint8))
-    for dequant in set(DEQUANT_VARIANTS) - {"interleave_bf16"}:
-        cfg = GmmConfig(16, 128, 128 if dequant == "interleave" else 256, num_warps=4, num_stages=4,
-                        dequant=dequant)
-        lower_cuda(lambda a, b, c, cfg=cfg: moe_gmm(a, b, c, backend="pallas", config=cfg),
-                   sd((1024, 3584), jnp.bfloat16), wq, sd((896,), jnp.int32))
-    # the fused gate/up with a PTX variant too
+    lower_cuda(lambda a, b, c: moe_gmm(a, b, c, backend="pallas",
+                                       config=C(16, 128, 128, num_stages=4, dequant="split")),
+               sd((1024, 3584), jnp.bfloat16), wq, sd((896,), jnp.int32))
     w = MXFP4Weight(sd((896, 384, 1792), jnp.uint8), sd((896, 384, 112), jnp.uint8))
-    for dequant in ("split_asm_sub", "split_asm_t"):
-        cfg = GmmConfig(16, 128, 256, num_stages=4, dequant=dequant)
-        lower_cuda(lambda a, b, c, d, cfg=cfg: moe_gmm_glu(a, b, c, d, activation="situ",
-                                                           backend="pallas", config=cfg,
-                                                           fuse=True),
-                   sd((1024, 3584), jnp.bfloat16), w, w, sd((896,), jnp.int32))
+    cfg = C(16, 128, 256, num_stages=4, dequant="split_asm_t")
+    lower_cuda(lambda a, b, c, d: moe_gmm_glu(a, b, c, d, activation="situ", backend="pallas",
+                                              config=cfg, fuse=True),
+               sd((1024, 3584), jnp.bfloat16), w, w, sd((896,), jnp.int32))
 
 
 def test_moe_gmm_errors():
@@ -549,7 +499,7 @@ def test_moe_gmm_errors():
     wq = MXFP4Weight(jnp.zeros((2, 16, 32), jnp.uint8), jnp.zeros((2, 16, 2), jnp.uint8))
     with pytest.raises(ValueError, match="transpose_small applies to dense weights"):
         moe_gmm(x, wq, jnp.array([2, 2], jnp.int32), backend="interpret",
-                config=GmmConfig(16, 16, 64, transpose_small=True))
+                config=C(16, 16, 64, transpose_small=True))
 
 
 # ---- the paired MXFP4 layout (kernels_pallas/moe/paired.py) ----
@@ -615,96 +565,55 @@ def test_paired_ptx_emulated_gives_the_sub_bits_of_the_original_bytes():
     assert len({tuple(int(regs[k][i]) for k in regs) for i in range(u.size)}) == u.size
 
 
-@pytest.mark.parametrize("dequant,k,n_per", [
-    ("split", 128, 1), ("split_asm_t", 128, 1), ("interleave", 128, 1), ("split_asm_t", 96, 1),
-    ("split", 96, 1), ("split_asm_t", 96, 2)])
-def test_paired_weights_through_the_kernel(dequant, k, n_per):
-    """Paired MXFP4 weights in the kernel (interpret: decoded to K3 bytes per tile) == the
-    reference on the K3 weights, with an empty expert, rows past the sum and (K 96, blocks of
-    64) a ragged last K block."""
-    from kernels_pallas.moe import MXFP4PairedWeight, pair_mxfp4
-    rng = np.random.default_rng(6 + k)
-    g, n = 3, 48
-    p = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
-    sc = rng.integers(118, 130, (g, n, k // 32), dtype=np.uint8)
-    w = MXFP4Weight(jnp.asarray(p), jnp.asarray(sc))
+def test_paired_weights_api_and_errors():
+    """pair_mxfp4 gives an MXFP4PairedWeight whose reference product equals the K3 weights';
+    block_n must cover whole 16-row groups; no mixing of layouts; on a GPU only "split_asm_t"
+    decodes paired bytes."""
+    from kernels_pallas.moe import MXFP4PairedWeight, default_config, ops
+    rng = np.random.default_rng(6)
+    w = MXFP4Weight(jnp.asarray(rng.integers(0, 256, (2, 32, 16), dtype=np.uint8)),
+                    jnp.asarray(rng.integers(118, 130, (2, 32, 1), dtype=np.uint8)))
     wp = pair_mxfp4(w)
-    assert isinstance(wp, MXFP4PairedWeight) and wp.layout == "paired"
-    x = jnp.asarray(rng.normal(size=(21, k)), jnp.bfloat16)
-    gs = jnp.array([7, 0, 11], jnp.int32)
-    ref = moe_gmm(x, w, gs, backend="reference", preferred_element_type=jnp.float32)
-    cfg = GmmConfig(16, 16, 64, dequant=dequant, n_per_program=n_per) if n_per > 1 else \
-        GmmConfig(16, 32, 64, dequant=dequant)
-    y = moe_gmm(x, wp, gs, backend="interpret", config=cfg, preferred_element_type=jnp.float32)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-3, atol=2e-3)
-    np.testing.assert_array_equal(np.asarray(y[18:]), 0)
-    yr = moe_gmm(x, wp, gs, backend="reference", preferred_element_type=jnp.float32)
-    np.testing.assert_array_equal(np.asarray(yr), np.asarray(ref))
-
-
-def test_paired_errors():
-    from kernels_pallas.moe import gmm, pair_mxfp4
-    w = MXFP4Weight(jnp.zeros((2, 32, 16), jnp.uint8), jnp.zeros((2, 32, 1), jnp.uint8))
-    wp = pair_mxfp4(w)
-    x = jnp.zeros((4, 32), jnp.bfloat16)
-    gs = jnp.array([2, 2], jnp.int32)
+    assert isinstance(wp, MXFP4PairedWeight) and wp.layout == "paired" and pair_mxfp4(wp) is wp
+    x = jnp.asarray(rng.normal(size=(4, 32)), jnp.bfloat16)
+    gs = jnp.array([2, 1], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(moe_gmm(x, wp, gs, backend="reference")),
+                                  np.asarray(moe_gmm(x, w, gs, backend="reference")))
     with pytest.raises(ValueError, match="block_n a multiple of 16"):
-        moe_gmm(x, wp, gs, backend="interpret", config=GmmConfig(16, 24, 32))
+        moe_gmm(x, wp, gs, backend="interpret", config=C(16, 24, 32))
     with pytest.raises(ValueError, match="mixing MXFP4 layouts"):
         moe_gmm_glu(x, w, wp, gs, backend="interpret", fuse=True)
     with pytest.raises(ValueError, match="split_asm_t"):  # on a GPU only that kernel decodes it
-        gmm._check_paired(GmmConfig(16, 32, 32, dequant="split"), interpret=False)
-    gmm._check_paired(GmmConfig(16, 32, 32, dequant="split_asm_t"), interpret=False)
-    assert gmm.default_config(64, 896, 3584, 384, True, True, platform="cuda",
-                              layout="paired").dequant == "split_asm_t"
-
-
-def test_cuda_decode_takes_k_blocks_of_128_only_in_the_flattened_loop():
-    """split_asm_t at K blocks of 128 raced on the H200 in the plain K loop (git history of
-    benchmarks/results_moe.md): K blocks of 256 where 256 divides K; otherwise (384, a TP8 rank's down projection)
-    128 in a loop over column blocks (paired: 7 a program with x resident for K <= 512; 4 in
-    the flattened loop otherwise), which never raced. Both layouts."""
-    from kernels_pallas.moe import gmm
-    for layout in ("k3", "paired"):
-        for k in (3072, 3584):
-            cfg = gmm.default_config(64 * 16, 896, k, 3584, True, platform="cuda", layout=layout)
-            assert cfg.dequant == "split_asm_t" and cfg.block_k == 256, (layout, k, cfg)
-            assert cfg.n_per_program == 1
-        cfg = gmm.default_config(512 * 16, 896, 384, 3584, True, platform="cuda", layout=layout)
-        assert (cfg.dequant, cfg.block_k, cfg.n_per_program, cfg.num_stages, cfg.x_resident) \
-            == (("split_asm_t", 128, 7, 3, True) if layout == "paired"
-                else ("split_asm_t", 128, 4, 3, False)), (layout, cfg)
-        cfg = gmm.default_config(512 * 16, 896, 640, 3584, True, platform="cuda", layout=layout)
-        assert (cfg.block_k, cfg.n_per_program, cfg.x_resident) == (128, 4, False), (layout, cfg)
+        ops._check_paired(C(16, 32, 32, dequant="split"), interpret=False)
+    ops._check_paired(C(16, 32, 32, dequant="split_asm_t"), interpret=False)
+    assert default_config(64, 896, 3584, 384, True, True, platform="cuda",
+                          layout="paired").dequant == "split_asm_t"
 
 
 # ---- x split by the caller (SplitX) ----
-@pytest.mark.parametrize("dequant,k,bk", [("split_asm_t", 96, 64), ("split_asm_t", 128, 128),
-                                          ("split", 96, 32)])
-def test_split_x_round_trip_take_and_kernel(dequant, k, bk):
-    """split_x inverts (dense), take(rows) == split of x[rows], and moe_gmm on the SplitX == on x
-    (interpret; ragged K for split_asm_t at K 96 / blocks of 64) == the reference."""
-    from kernels_pallas.moe import split_x
+def test_split_x_round_trip_take_and_kernel():
+    """split_x inverts (dense), take(rows) == split of x[rows] ("split" and "split_asm_t" with K
+    96 padded to blocks of 64), and moe_gmm on the SplitX == on x (interpret) == the reference;
+    a SplitX of other blocks, or for a config that reads x as it is, is refused."""
     rng = np.random.default_rng(21)
-    g, n, m = 3, 32, 40
+    g, n, m, k = 3, 32, 40, 96
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    cfg = GmmConfig(16, 16, bk, dequant=dequant)
-    sx = split_x(x, cfg)
-    np.testing.assert_array_equal(np.asarray(sx.dense()), np.asarray(x))
     rows = jnp.asarray(rng.integers(0, m, 24), jnp.int32)
-    np.testing.assert_array_equal(np.asarray(sx.take(rows).data),
-                                  np.asarray(split_x(x[rows], cfg).data))
+    for cfg in (C(16, 16, 32, dequant="split"), C(16, 16, 64, dequant="split_asm_t")):
+        sx = split_x(x, cfg)
+        np.testing.assert_array_equal(np.asarray(sx.dense()), np.asarray(x))
+        np.testing.assert_array_equal(np.asarray(sx.take(rows).data),
+                                      np.asarray(split_x(x[rows], cfg).data))
     p, sc = mxfp4.quantize(rng.standard_normal((g, n, k)))
     wq = MXFP4Weight(jnp.asarray(p), jnp.asarray(sc))
     gs = jnp.asarray([15, 0, 20], jnp.int32)
-    want = moe_gmm(x, wq, gs, backend="interpret", config=cfg)
     got = moe_gmm(sx, wq, gs, backend="interpret", config=cfg)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    ref = moe_gmm(sx, wq, gs, backend="reference")
-    assert _rel(got, ref) < 1e-2
-    glu_ = moe_gmm_glu(sx, wq, wq, gs, backend="interpret", config=cfg)
-    assert _rel(glu_, moe_gmm_glu(x, wq, wq, gs, backend="reference")) < 2e-2
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(moe_gmm(x, wq, gs, backend="interpret", config=cfg)))
+    assert _rel(got, moe_gmm(sx, wq, gs, backend="reference")) < 1e-2
+    assert _rel(moe_gmm_glu(sx, wq, wq, gs, backend="reference"),
+                moe_gmm_glu(x, wq, wq, gs, backend="reference")) == 0
     with pytest.raises(ValueError, match="split for block_k"):
-        moe_gmm(sx, wq, gs, backend="interpret", config=GmmConfig(16, 16, 2 * bk, dequant=dequant))
+        moe_gmm(sx, wq, gs, backend="interpret", config=C(16, 16, 128, dequant="split_asm_t"))
     with pytest.raises(ValueError, match="reads x as it is"):
-        split_x(x, GmmConfig(16, 16, bk, dequant="interleave"))
+        split_x(x, C(16, 16, 64, dequant="interleave"))
