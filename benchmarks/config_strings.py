@@ -8,7 +8,7 @@ import dataclasses
 
 def parse_overrides(item: str, bools=frozenset()) -> dict:
     """"a=1,b=x,c=None" -> {"a": 1, "b": "x", "c": None}: integers where they parse, None for
-    "None" (fields whose None means something, e.g. diag_block_k=None: whole rows), strings
+    "None" (fields whose None means something, e.g. scan_groups=None: chosen by rule), strings
     otherwise; names in `bools` take 0/1/false/true strictly (a string "False" would be truthy)."""
     kw = {}
     for pair in filter(None, item.split(",")):

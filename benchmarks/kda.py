@@ -164,10 +164,10 @@ def fla_autotuned() -> dict:
 
 
 def chunk_configs():
-    """The default ChunkConfig (cfg0), then each --chunk-config ("block_k_inter=64,
-    num_warps_inter=8", "diag_block_k=None"; bool fields take 0/1 or false/true). Every config is
+    """The default ChunkConfig (cfg0: the tuned configuration), then each --chunk-config
+    ("block_k_inter=32,num_warps_inter=2": those fields over the tuned ones). Every config is
     checked against the reference (correctness) and timed (prefill)."""
-    from kernels_pallas.kda.chunk_pallas import ChunkConfig
+    from kernels_pallas.kda import ChunkConfig
     cfgs = [ChunkConfig()] + [chunk_config(item) for item in A.chunk_config]
     REC.details["chunk_configs"] = [str(c) for c in cfgs]
     return cfgs

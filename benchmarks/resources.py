@@ -119,8 +119,9 @@ KDA_CONFIGS: list[str] = []  # --kda-config: more chunk configs (config_strings.
 
 def kda_kernels():
     """(name, fn, args, [(num_warps, num_stages[, loop trips]) per pallas_call]) at one TP8
-    rank's K3 shapes; the chunk's default, its unrolled form and any --kda-configs."""
-    from kernels_pallas.kda.chunk_pallas import ChunkConfig, kda_chunk_pallas, resolve_config
+    rank's K3 shapes; the chunk's default and any --kda-configs."""
+    from kernels_pallas.kda import tuning
+    from kernels_pallas.kda.chunk_pallas import ChunkConfig, kda_chunk_pallas
     from kernels_pallas.kda.decode import kda_decode_pallas
     from kernels_pallas.kda.verify import kda_verify_pallas
 
@@ -129,20 +130,16 @@ def kda_kernels():
         SD((B, T, H, K), jnp.float32), SD((B, T, H), jnp.bfloat16), SD((B, H, K, K), jnp.float32))
 
     def chunk(cfg):  # safe_gate: as the K3 layer calls it (bounded gate)
-        cfg = resolve_config(cfg, K, K)
+        cfg = tuning.chunk_config(B, T, H, K, K, jnp.bfloat16, cfg)
         fn = lambda q, k, v, g, b, s: kda_chunk_pallas(q, k, v, g, b, initial_state=s,
                                                        use_qk_l2norm=True, config=cfg,
                                                        safe_gate=True)
         # (num_warps, num_stages, trips of the launch's loop: for --sass)
-        inter_trips = K // cfg.block_k_inter
-        inter = ([(cfg.num_warps_inter, cfg.num_stages_inter, inter_trips),
-                  (cfg.num_warps_inverse, 1, 1)] if cfg.split_inverse
-                 else [(cfg.num_warps_inter, cfg.num_stages_inter, inter_trips)])
-        launches = ([(cfg.num_warps_diag, cfg.num_stages_diag, K // (cfg.diag_block_k or K))]
-                    + inter
-                    + [(cfg.num_warps_wu, cfg.num_stages_wu, K // cfg.block_wu),
-                       (cfg.num_warps_state, cfg.num_stages_state, T // 64),
-                       (cfg.num_warps_out, cfg.num_stages_out, K // (cfg.block_k_out or K))])
+        launches = [(cfg.num_warps_diag, cfg.num_stages_diag, K // cfg.diag_block_k),
+                    (cfg.num_warps_inter, cfg.num_stages_inter, K // cfg.block_k_inter),
+                    (cfg.num_warps_wu, cfg.num_stages_wu, K // cfg.block_wu),
+                    (cfg.num_warps_state, cfg.num_stages_state, T // 64),
+                    (cfg.num_warps_out, cfg.num_stages_out, K // cfg.block_k_out)]
         return fn, chunk_args, launches
 
     P, Bd = H * K, 64
@@ -154,18 +151,10 @@ def kda_kernels():
     ver_args = (SD((1, 4, H, K), jnp.bfloat16),) * 3 + (
         SD((1, 4, H, K), jnp.float32), SD((1, 4, H), jnp.bfloat16), SD((1, H, K, K), jnp.float32))
     ver = lambda q, k, v, g, b, s: kda_verify_pallas(q, k, v, g, b, s, use_qk_l2norm=True)
-    # the unrolled key-tile loops and split launch 2 (the default until 2026-12-01's pipelining)
-    unrolled = ChunkConfig(diag_block_k=None, num_stages_diag=1, split_inverse=True,
-                           num_stages_inter=1, num_stages_wu=1, block_k_out=None,
-                           num_warps_inter=4, block_k_inter=32)
-
-    def label(name, cfg):
-        two = "offdiag, inverse" if cfg.split_inverse else "inter"
-        return f"kda_chunk {name} [diag, {two}, wu, state, out]"
+    label = lambda name: f"kda_chunk {name} [diag, inter, wu, state, out]"
     from .config_strings import chunk_config
-    extra = [(label(item, chunk_config(item)), *chunk(chunk_config(item))) for item in KDA_CONFIGS]
-    return [(label("default", ChunkConfig()), *chunk(ChunkConfig())), *extra,
-            (label("unrolled (before 12-01 pm)", unrolled), *chunk(unrolled)),
+    extra = [(label(item), *chunk(chunk_config(item))) for item in KDA_CONFIGS]
+    return [(label("default"), *chunk(ChunkConfig())), *extra,
             ("kda_decode B64 H12", dec, dec_args, [(4, 1)]),
             ("kda_verify B1 T4 H12", ver, ver_args, [(2, 1)])]
 

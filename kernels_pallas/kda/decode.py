@@ -12,7 +12,7 @@ conv_state [B, W-1, 3P], conv_w [3P, W] fp32, f [B, P] raw gate projection, A_lo
 dt_bias [P], b [B, H] beta logits, gate [B, P] raw output gate, o_norm_w [K], state [B, H, K, K]
 fp32. Rounding points follow the model: the conv output is rounded to qkv's dtype before the norm.
 
-Warps: 4, faster than 8 or 16 at every decode shape timed (`python -m benchmarks kda`).
+Warps: 4 by default (`python -m benchmarks kda`, BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -29,12 +29,8 @@ F32 = jnp.float32
 
 
 def _decode_kernel(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gate_ref, onw_ref,
-                   s_ref, o_ref, cs_out_ref, s_out_ref, *, W, scale, lower_bound, eps, xdtype,
-                   early_state_load):
+                   s_ref, o_ref, cs_out_ref, s_out_ref, *, W, scale, lower_bound, eps, xdtype):
     K = qkv_ref.shape[-1]
-    # The state (64 KiB fp32 per head, the bulk of the traffic) can be requested first, so its
-    # load overlaps the conv, norms and gates instead of waiting for them (untimed variant).
-    S0 = s_ref[...] if early_state_load else None
     col = jax.lax.broadcasted_iota(jnp.int32, (K, W), 1)
     ys, hists, xs = [], [], []
     for j in range(3):  # q, k, v
@@ -61,7 +57,7 @@ def _decode_kernel(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gat
         g = lower_bound * jax.nn.sigmoid(a * z)
     beta = jax.nn.sigmoid(b_ref[...].astype(F32))
 
-    S = (S0 if early_state_load else s_ref[...]) * jnp.exp(g)[:, None]
+    S = s_ref[...] * jnp.exp(g)[:, None]
     p = jnp.sum(S * k[:, None], axis=0)
     delta = beta * (v - p)
     S = S + k[:, None] * delta[None, :]
@@ -81,11 +77,11 @@ def _decode_kernel(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gat
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "lower_bound", "eps", "scale",
-                                             "interpret", "num_warps", "early_state_load"),
+                                             "interpret", "num_warps"),
                    donate_argnames=("conv_state", "state"))
 def kda_decode_pallas(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state, *,
                       num_heads, lower_bound=None, eps=1e-5, scale=None, interpret=False,
-                      num_warps=4, early_state_load=False):
+                      num_warps=4):
     B, P3 = qkv.shape
     H = num_heads
     P = P3 // 3
@@ -101,7 +97,7 @@ def kda_decode_pallas(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_nor
     g3 = gate.reshape(B, H, K)
     out, cs_new, s_new = pl.pallas_call(
         functools.partial(_decode_kernel, W=W, scale=scale, lower_bound=lower_bound, eps=eps,
-                          xdtype=qkv.dtype, early_state_load=early_state_load),
+                          xdtype=qkv.dtype),
         grid=(B, H),
         in_specs=[
             pl.BlockSpec((None, 3, None, K), lambda b_, h: (b_, 0, h, 0)),          # qkv

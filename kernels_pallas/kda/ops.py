@@ -13,7 +13,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, lengths=None,
 
     safe_gate=True: the caller promises g >= -5 per token (K3's bounded gate); the Pallas kernel
     then forms its diagonal 16x16 blocks with one matmul instead of per-element exps.
-    kernel_options: `config=chunk_pallas.ChunkConfig(...)` (block sizes and warps per launch)."""
+    kernel_options: `config=ChunkConfig(...)` (tuning.py: block sizes, warps and stages per
+    launch; the fields it sets override the tuned configuration)."""
     backend = resolve_backend(backend)
     if backend == "reference":
         return kda_chunk_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,

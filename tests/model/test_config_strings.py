@@ -2,7 +2,7 @@
 import pytest
 
 from benchmarks.config_strings import chunk_config, parse_overrides
-from kernels_pallas.kda.chunk_pallas import ChunkConfig
+from kernels_pallas.kda import ChunkConfig
 
 
 def test_parse_overrides():
@@ -14,12 +14,9 @@ def test_parse_overrides():
 
 
 def test_chunk_config():
-    cfg = chunk_config("num_warps_inter=2,diag_block_k=None,split_inverse=1,inverse_precision=tf32")
-    assert (cfg.num_warps_inter, cfg.diag_block_k, cfg.split_inverse, cfg.inverse_precision) == (
-        2, None, True, "tf32")
-    assert chunk_config("split_inverse=false").split_inverse is False
+    cfg = chunk_config("num_warps_inter=2,block_k_out=16,scan_groups=None")
+    assert (cfg.num_warps_inter, cfg.block_k_out, cfg.scan_groups) == (2, 16, None)
+    assert cfg == ChunkConfig(num_warps_inter=2, block_k_out=16)   # the other fields: tuned
     assert chunk_config("") == ChunkConfig()
-    with pytest.raises(ValueError, match="split_inverse"):
-        chunk_config("split_inverse=False0")
     with pytest.raises(TypeError):
         chunk_config("no_such_field=1")
