@@ -24,11 +24,10 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 # the files that take longest start first, so the last ones to finish are short
-SLOW_FIRST = ("test_kda_kernels.py", "test_attention_sharding.py", "test_engine.py", "test_cli.py",
-              "test_api.py", "test_prefix_cache.py", "test_speculative.py", "test_mla_kernels.py", "test_multiprocess.py",
-              "test_batch.py", "test_moe_gmm.py", "test_moe_sharding.py", "test_notebook.py",
-              "test_benchmarks.py", "test_tiny_code.py", "test_bench_sharded.py", "test_checkpoint.py",
-              "test_server.py")
+SLOW_FIRST = ("test_engine.py", "test_cli.py", "test_attention_sharding.py", "test_multiprocess.py", "test_api.py",
+              "test_model.py", "test_dcp.py", "test_prefix_cache.py", "test_mla_kernels.py", "test_kernel_integration.py",
+              "test_speculative.py", "test_kda_kernels.py", "test_moe_sharding.py", "test_batch.py", "test_moe_gmm.py",
+              "test_notebook.py", "test_benchmarks.py", "test_hf_parity.py", "test_kda_reference.py", "test_tiny_code.py")
 
 
 def crashed(rc: int) -> bool:
