@@ -123,9 +123,10 @@ class Engine:
         prefix_cache: reuse the MLA pages and KDA state of prompt prefixes already computed
         (serve/prefix_cache.py), in blocks of cache_block tokens (a multiple of page_size).
         Cached pages share the page pool with running requests (evicted when it runs short);
-        device_cache_bytes bounds the KDA checkpoints kept on device (default: one per slot, the
-        end of each running session's turn), host_cache_bytes the host tier both move to when
-        evicted (0: none). checkpoint_interval: tokens between checkpoints taken inside a long
+        device_cache_bytes bounds the KDA checkpoints kept on device (default: one checkpoint per
+        checkpoint_interval tokens the page pool holds, at least one per slot: cached history is
+        only restorable with a checkpoint at its end, and sessions waiting between turns outnumber
+        the slots), host_cache_bytes the host tier both move to when evicted (0: none). checkpoint_interval: tokens between checkpoints taken inside a long
         prefill (default: the tokens whose MLA pages weigh as much as one checkpoint, rounded up
         to a multiple of the block and of prefill_chunk, so interior checkpoints never outweigh
         the pages they pair with and never cut a chunk short).
@@ -164,9 +165,7 @@ class Engine:
         if prefix_cache:
             if cache_block < 1 or cache_block % page_size:
                 raise ValueError(f"cache_block={cache_block} must be a positive multiple of page_size={page_size}")
-            if device_cache_bytes is None:
-                device_cache_bytes = max_batch * self.slot_bytes
-            if device_cache_bytes < self.slot_bytes:
+            if device_cache_bytes is not None and device_cache_bytes < self.slot_bytes:
                 raise ValueError(f"device_cache_bytes={device_cache_bytes} holds no KDA checkpoint ({self.slot_bytes} B "
                                  "each): raise it, or prefix_cache=False")
             block_bytes = cache_block // page_size * self.page_bytes
@@ -185,19 +184,26 @@ class Engine:
                                  f"cache_block={cache_block}")
         else:
             device_cache_bytes = 0
+        # checkpoint bytes the default budget gives each page of the pool (one per interval)
+        ckpt_per_page = (self.slot_bytes * page_size / checkpoint_interval
+                         if prefix_cache and device_cache_bytes is None else 0.0)
+        least_ckpts = max_batch * self.slot_bytes if ckpt_per_page else (device_cache_bytes or 0)
         if num_pages is None:
             if memory_budget_bytes is None:
                 num_pages = max_batch * self.pages_per_seq
             else:
-                left = memory_budget_bytes - max_batch * self.slot_bytes - device_cache_bytes
-                num_pages = left // max(self.page_bytes, 1) if self.page_bytes else self.pages_per_seq
+                left = memory_budget_bytes - max_batch * self.slot_bytes - least_ckpts
+                num_pages = (int(left // (self.page_bytes + ckpt_per_page)) if self.page_bytes
+                             else self.pages_per_seq)
                 if num_pages < self.pages_per_seq:
                     raise ValueError(
                         f"memory_budget_bytes={memory_budget_bytes} holds {max(num_pages, 0)} cache pages after "
-                        f"{max_batch} KDA state slots ({self.slot_bytes} B each) and {device_cache_bytes} B of "
+                        f"{max_batch} KDA state slots ({self.slot_bytes} B each) and {least_ckpts} B of "
                         f"prefix-cache checkpoints, but one {self.max_seq_len}-token "
                         f"sequence needs {self.pages_per_seq} pages of {self.page_bytes} B: raise the budget or "
                         "lower max_batch / max_seq_len")
+        if ckpt_per_page:
+            device_cache_bytes = max(least_ckpts, int(num_pages * ckpt_per_page) // self.slot_bytes * self.slot_bytes)
         self.allocator = PageAllocator(int(num_pages))
         layers = []
         for e in cache_shapes(cfg, max_batch, page_size):

@@ -81,6 +81,17 @@ def test_device_tier_sessions_match_cache_off(model, reference):
     assert eng.allocator.free + eng.prefix.evictable_pages() == eng.allocator.num_pages  # nothing pinned
 
 
+def test_default_budget_keeps_a_checkpoint_for_every_waiting_session(model, reference):
+    """With the default checkpoint budget and a pool that holds every session's pages, sessions
+    waiting between turns outnumber the slots (30 sessions, 6 slots): each one's checkpoints
+    survive the others' turns, so every second turn hits (a budget of one checkpoint per slot
+    kept 6 and hit almost nothing)."""
+    plans, want = reference
+    outs, hits, eng = _run_sessions(model, plans, 2, check=False, cache_block=BLOCK, num_pages=400)
+    assert outs == {k: v for k, v in want.items() if k[1] < 2}
+    assert all(hits[s, 1] > 0 for s in range(30)), [hits[s, 1] for s in range(30)]
+
+
 def test_host_tier_sessions_match_cache_off(model, reference):
     """A device tier of 2 checkpoints and a page pool for ~3 sessions: the rest lives on host and
     comes back on hits."""
