@@ -24,7 +24,7 @@ from serve import Engine, SamplingParams
 from serve.agentic_trace import coding_agent_sessions
 from serve.prefix_cache import PrefixCache
 from serve.replay import run_replay
-from .common import ints_arg
+from .common import ints_arg, names_arg
 from .k3_slice import k3_slice
 
 
@@ -35,6 +35,11 @@ def add_args(p):
     p.add_argument("--depth", type=int, default=12, help="layers of the K3 slice")
     p.add_argument("--sessions", type=int, default=16, help="agent sessions replayed")
     p.add_argument("--turns", type=int, default=6, help="turns per agent session")
+    p.add_argument("--parts", type=names_arg, default=list(PARTS),
+                   help=f"which parts to run, of {','.join(PARTS)} (default all)")
+
+
+PARTS = ("shared", "nothing", "sessions")
 
 
 GEOMETRY = {}  # every engine of a run has the same shapes, so its device programs compile once
@@ -138,8 +143,11 @@ def shared_prefix(rec, model, P, rng):
 
 
 def agent_trace(args, smoke):
+    """The replay benchmark's coding-agent sessions (its default arrival and think times: sessions
+    arrive one by one, as in a trace, so later ones find the shared system prompt cached)."""
     return coding_agent_sessions(args.sessions, args.turns, 512 if smoke else 6144, 64 if smoke else 256,
-                                 64 if smoke else 384, 16 if smoke else 128, 0.0, 0.0, 64, 0)
+                                 64 if smoke else 384, 16 if smoke else 128, 0.0 if smoke else 2000.0,
+                                 0.0 if smoke else 1000.0, 64, 0)
 
 
 def sessions(rec, model, trace, args):
@@ -166,8 +174,12 @@ def run(rec, args):
     rec.details["engine"] = GEOMETRY
     rng = np.random.RandomState(0)
     longest_first = sorted(prefixes, reverse=True)
-    rec.guard(f"shared prefix {longest_first[0]}", shared_prefix, rec, model, longest_first[0], rng)
-    rec.guard("nothing hits", nothing_hits, rec, model, chunk, rng)
-    rec.guard("sessions", sessions, rec, model, trace, args)
-    for P in longest_first[1:]:
-        rec.guard(f"shared prefix {P}", shared_prefix, rec, model, P, rng)
+    if "shared" in args.parts:
+        rec.guard(f"shared prefix {longest_first[0]}", shared_prefix, rec, model, longest_first[0], rng)
+    if "nothing" in args.parts:
+        rec.guard("nothing hits", nothing_hits, rec, model, chunk, rng)
+    if "sessions" in args.parts:
+        rec.guard("sessions", sessions, rec, model, trace, args)
+    if "shared" in args.parts:
+        for P in longest_first[1:]:
+            rec.guard(f"shared prefix {P}", shared_prefix, rec, model, P, rng)
