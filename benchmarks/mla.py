@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.mla import fp8_to_words, mla_decode, mla_decode_reference
-from kernels_pallas.mla.decode import resolve_config, smem_bytes
+from kernels_pallas.mla import DecodeConfig, fp8_to_words, mla_decode, mla_decode_reference
+from kernels_pallas.mla.tuning import decode_config, smem_bytes
 from .common import jax_copy_Bps, names_arg, shapes_arg, wall_ms
 from .config_strings import parse_overrides
 from .kernel_timer import kernel_times
@@ -46,25 +46,21 @@ FORM = {"bf16": "bf16", "fp8w": "fp8 words", "fp8": "fp8 float8"}
 A = None          # the parsed options of this run (set by `run`)
 REC = None        # its Record
 TORCH_BW = None   # torch's copy bandwidth, measured by prepare_env before JAX takes the GPU
-_OLD = dict(block_k=64, num_warps=4, num_stages=2, load="token", num_splits="fill",
-            fp8_upcast="operand")
 CONFIGS = {
     "bf16": {
         "default": {},
-        "xla-merge": dict(merge="xla"),
         "bk32w4s3": dict(block_k=32, num_warps=4, num_stages=3),
     },
     "fp8": {
         "default": {},
-        "mixed-bf16": dict(fp8_upcast="mixed", fp8_dot="bf16"),
         "op-f16-bk64s2": dict(num_stages=2),
         "op-f16-bk32w8s2": dict(block_k=32, num_warps=8, num_stages=2),
-        "tile-f16-s1": dict(fp8_upcast="tile", num_stages=1),
     },
     "fp8w": {
         "default": {},
         "int": dict(fp8_upcast="words_int"),
         "pairs": dict(fp8_upcast="words_pairs"),
+        "words": dict(fp8_upcast="words", split_qk_acc=False),
         "w8": dict(num_warps=8),
         "s4": dict(num_stages=4),
         "bk32s4": dict(block_k=32, num_stages=4),
@@ -81,12 +77,12 @@ def add_args(p):
     p.add_argument("--configs", type=names_arg, default=None,
                    help="keep only these dtype:name configurations (e.g. bf16:default,fp8w:int)")
     p.add_argument("--config", action="append", default=[], metavar="DTYPE:NAME:k=v,...",
-                   help="add a configuration, e.g. bf16:p16:partials=bfloat16 (repeatable)")
+                   help="add a configuration, e.g. bf16:bk32:block_k=32 (repeatable)")
     p.add_argument("--shape-configs", type=names_arg, default=None,
                    help="configuration names the 16-head shapes run (default: all)")
     p.add_argument("--heads", type=shapes_arg, default=shapes_arg("16x32768x12,16x32768x128,64x32768x128,1x131072x128"),
                    help="B x context x heads rows (empty: none)")
-    p.add_argument("--head-configs", type=names_arg, default=["default", "mixed-bf16"],
+    p.add_argument("--head-configs", type=names_arg, default=["default"],
                    help="configuration names the head-count rows run")
     p.add_argument("--checks", type=names_arg, default=None,
                    help="indices into CHECKS to run (default all)")
@@ -137,11 +133,8 @@ def shape_structs(B, ctx, dtype):
 
 
 def full_cfg(B, ctx, dtype, cfg, heads=HEADS):
-    kw = {k: v for k, v in cfg.items() if k not in ("merge", "partials")}
-    # partials: mla_decode's default for the bench's bf16 output
-    return dict(resolve_config((B, 1, heads, 576), (pool_pages(), PAGE, CACHE_WIDTH[dtype]),
-                               CACHE_DTYPE[dtype], (B, ctx // PAGE), **kw),
-                merge=cfg.get("merge", "pallas"), partials=cfg.get("partials", "bfloat16"))
+    return decode_config((B, 1, heads, 576), (pool_pages(), PAGE, CACHE_WIDTH[dtype]),
+                         CACHE_DTYPE[dtype], (B, ctx // PAGE), DecodeConfig(**cfg)).as_dict()
 
 
 def lower_all():
@@ -155,7 +148,8 @@ def lower_all():
                 fc = full_cfg(B, ctx, dtype, cfg)
                 try:
                     lower_for_gpu(lambda q, c, p, l, s=None: mla_decode(
-                        q, c, p, l, scale=SCALE, backend="pallas", cache_scale=s, **cfg),
+                        q, c, p, l, scale=SCALE, backend="pallas", cache_scale=s,
+                        config=DecodeConfig(**cfg)),
                         q, cache, pt, ln, *([] if cs is None else [cs]))
                     res = "OK"
                 except Exception as e:  # noqa: BLE001
@@ -163,7 +157,7 @@ def lower_all():
                     res = f"FAIL {type(e).__name__}: {str(e)[:300]}"
                     REC.data["errors"][f"lower {dtype} B{B} {ctx} {name}"] = res
                 smem = smem_bytes(fc["block_h"], fc["block_k"], fc["num_stages"],
-                                  1 if dtype != "bf16" else 2, fc["fp8_upcast"])
+                                  1 if dtype != "bf16" else 2)
                 REC.log(f"lower {dtype} B{B} {ctx // 1024}K {name:12s} {fc} smem~{smem // 1024}KiB: {res}")
     return bad
 
@@ -189,7 +183,7 @@ def correctness(B, Tq, H, lengths, dtype, scale_kind, cfg, seed, page=PAGE):
     q = jax.random.normal(k2, (B, Tq, H, 576), jnp.float32).astype(jnp.bfloat16)
     ln = jnp.asarray(lengths, jnp.int32)
     o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, cache_scale=cs, backend=A.backend,
-                        out_dtype=jnp.float32, **cfg)
+                        out_dtype=jnp.float32, config=DecodeConfig(**cfg))
     ro, rlse = mla_decode_reference(q, cache, pt, ln, scale=SCALE, cache_scale=cs,
                                     out_dtype=jnp.float32)
     o, lse, ro, rlse = (np.asarray(x) for x in (o, lse, ro, rlse))
@@ -213,35 +207,23 @@ CHECKS = [   # (B, Tq, H, lengths, dtype, scale kind, cfg, page size)
     (4, 4, 16, [2, 4097, 64, 65], "bf16", None, {}, PAGE),
     (3, 1, 12, [5000, 129, 63], "bf16", None, dict(load="token"), 16),
     (4, 1, 16, [8191, 1, 0, 3000], "fp8", "token", {}, PAGE),
-    (2, 4, 16, [2000, 100], "fp8", "tensor", dict(fp8_upcast="tile", block_k=32,
-                                                  num_stages=4), PAGE),
-    (2, 1, 16, [2000, 100], "fp8", "token", _OLD, PAGE),
-    (4, 1, 16, [8191, 1, 0, 3000], "fp8", "token", dict(fp8_dot="fp16"), PAGE),
-    (2, 4, 16, [2000, 100], "fp8", "tensor", dict(fp8_upcast="tile", fp8_dot="fp16"), PAGE),
-    (3, 1, 12, [5000, 129, 63], "fp8", "token", dict(fp8_upcast="operand", fp8_dot="fp16"), PAGE),
-    (4, 1, 16, [8191, 1, 0, 3000], "bf16", None, dict(partials="bfloat16"), PAGE),
+    (2, 4, 16, [2000, 100], "fp8", "tensor", dict(block_k=32, num_stages=4), PAGE),
+    (3, 1, 12, [5000, 129, 63], "fp8", "token", {}, PAGE),
     (2, 1, 128, [5000, 77], "bf16", None, dict(block_k=64, num_stages=2), PAGE),
     (2, 1, 96, [5000, 77], "bf16", None, dict(block_h=32, block_k=64, num_warps=8,
                                                 num_stages=3), PAGE),
+    (4, 1, 16, [8191, 1, 0, 3000], "bf16", None, dict(split_qk_acc=True), PAGE),
     (4, 1, 16, [8191, 1, 0, 3000], "fp8w", "token", {}, PAGE),
     (2, 4, 16, [2000, 100], "fp8w", "tensor", dict(fp8_upcast="words_int"), PAGE),
     (3, 1, 12, [5000, 129, 63], "fp8w", "token", dict(load="token"), 16),
     (2, 1, 16, [5000, 77], "fp8w", "token", dict(num_warps=8, fp8_upcast="words_int"), PAGE),
     (2, 4, 16, [3001, 64], "fp8w", "token", dict(num_stages=4), PAGE),
     (2, 1, 128, [5000, 77], "fp8w", "token", {}, PAGE),
-    (4, 1, 16, [8191, 1, 0, 3000], "fp8w", "token", dict(fp8_upcast="words_pairs"), PAGE),
-    (2, 4, 12, [3001, 64], "fp8w", "tensor", dict(fp8_upcast="words_pairs"), PAGE),
-    (3, 1, 12, [5000, 129, 63], "fp8w", "token", dict(fp8_upcast="words_pairs", load="token"),
-     16),
-    (2, 1, 128, [5000, 77], "fp8w", "token", dict(fp8_upcast="words_pairs"), PAGE),
-    (4, 1, 16, [8191, 1, 0, 3000], "fp8w", "token", dict(fp8_upcast="words_pairs", lat_chunks=2),
+    (4, 1, 16, [8191, 1, 0, 3000], "fp8w", "token", dict(fp8_upcast="words", split_qk_acc=False),
      PAGE),
-    (2, 4, 12, [3001, 64], "fp8w", "tensor", dict(fp8_upcast="words_pairs", lat_chunks=4), PAGE),
-    (2, 1, 128, [5000, 77], "fp8w", "token", dict(fp8_upcast="words_pairs", lat_chunks=2), PAGE),
-    (4, 1, 16, [8191, 1, 0, 3000], "bf16", None, dict(lat_chunks=2), PAGE),
-    (2, 4, 12, [3001, 64], "bf16", None, dict(lat_chunks=4, load="token"), 16),
-    (2, 1, 128, [5000, 77], "bf16", None, dict(lat_chunks=2), PAGE),
-    # 64-row fp8 words blocks that spill less than the default's 376 bytes (offline, sm_90)
+    (2, 4, 12, [3001, 64], "fp8w", "tensor", dict(fp8_upcast="words_pairs"), PAGE),
+    (2, 1, 128, [5000, 77], "fp8w", "token", dict(fp8_upcast="words_pairs"), PAGE),
+    # 64-row fp8 words blocks that spill less than the default (offline, sm_90)
     (2, 1, 128, [5000, 77], "fp8w", "token", dict(block_k=16, num_stages=3), PAGE),
     (2, 4, 24, [3001, 64], "fp8w", "tensor", dict(block_k=64, num_stages=1), PAGE),
     (2, 4, 16, [3001, 64], "fp8w", "token", {}, PAGE),    # 64 rows at the default ("words")
@@ -305,7 +287,8 @@ def time_decode(B, ctx, dtype, name, cfg, heads=HEADS):
     @jax.jit
     def run(qs, cache, pts, lens, cs):
         return [mla_decode(qs[i], cache, pts[i % R], lens, scale=SCALE, cache_scale=cs,
-                           backend=A.backend, **cfg) for i in range(n_inner)]
+                           backend=A.backend, config=DecodeConfig(**cfg))
+                for i in range(n_inner)]
 
     info = {}
     n, reps = (1, 1) if A.smoke else (5, 3)
@@ -335,8 +318,9 @@ def time_decode(B, ctx, dtype, name, cfg, heads=HEADS):
 def fmt(r):
     c = r["cfg"]
     cs = (f"bh{c['block_h']} bk{c['block_k']} w{c['num_warps']} st{c['num_stages']} "
-          f"sp{c['num_splits']} {c['load']} {c['merge']}-merge {c['partials']}"
-          + (f" {c['fp8_upcast']} {c['fp8_dot']}" if r["dtype"] != "bf16" else ""))
+          f"sp{c['num_splits']} {c['load']}"
+          + (f" {c['fp8_upcast']}" if r["dtype"] != "bf16" else "")
+          + (" split-qk-acc" if c["split_qk_acc"] else ""))
     same = (f" ({100 * r['frac_same_size_copy']:.1f}% of a same-size copy)"
             if r.get("frac_same_size_copy") else "")
     ker = (f" (kernel {r['mla_kernel_us']:.1f}, span {r['span_us']:.1f}, wall "
@@ -368,7 +352,9 @@ def run(rec, args):
     add_configs()
     if A.smoke:   # each code path once: a check and a default config per cache form
         A.shapes, A.heads, A.shape_configs = [(2, 512)], [], ["default"]
-        A.checks = A.checks or ["12"]   # the words form, the CUDA default's cache
+        # the words form at its defaults, the CUDA default's cache
+        A.checks = A.checks or [str(next(i for i, c in enumerate(CHECKS)
+                                         if c[4] == "fp8w" and not c[6]))]
     if A.lower:
         lower_all()
         return

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.mla import mla_prefill, mla_prefill_reference
+from kernels_pallas.mla import PrefillConfig, mla_prefill, mla_prefill_reference
 from .common import gpu_ms, rel, shapes_arg
 from .config_strings import parse_overrides
 
@@ -76,7 +76,8 @@ def time_shape(rec, backend, smoke, B, T, H, configs):
         case["cudnn"] = dict(ms=peer_ms, attn_kernel_ms=max(info["by_kernel_us"].values()) / 1e3,
                              tflops=flops / peer_ms / 1e9)
     fn = jax.jit(lambda q, k, v, ln, cfg: mla_prefill(q, k, v, ln, scale=SCALE, backend=backend,
-                                                      **dict(cfg)), static_argnames="cfg")
+                                                      config=PrefillConfig(**dict(cfg))),
+                 static_argnames="cfg")
     for name, cfg in configs.items():
         key = tuple(sorted(cfg.items()))
         o = fn(q, k, v, ln, key)

@@ -160,30 +160,31 @@ def kda_kernels():
 
 
 def mla_kernels():
-    """MLA decode at B16 32K, 16 heads, 64-token pages: the bf16 default, the float8 cache's
-    variants (upcast x dot dtype) at its default blocks (64 keys, 8 warps, 3 stages) and the fp8
-    words form's two conversions at its defaults (64 keys, 4 warps, 3 stages); #1 is the split
-    merge (merge.py). The words form's kernels hold PTX: compiled for sm_90 only (its ROCm form,
-    "words_int" in jnp, is not compiled here)."""
-    from kernels_pallas.mla.decode import mla_decode, resolve_config
+    """MLA decode at B16 32K, 16 heads, 64-token pages: the bf16 and float8 defaults and the fp8
+    words form's three conversions ("words_pairs", the default; "words"; "words_int") at its
+    default blocks (64 keys, 4 warps, 3 stages); #1 is the split merge (merge.py). The words
+    form's kernels hold PTX: compiled for sm_90 only (its ROCm form, "words_int" in jnp, is not
+    compiled here)."""
+    from kernels_pallas.mla import DecodeConfig, mla_decode
+    from kernels_pallas.mla.tuning import decode_config
 
     B, ctx, pages = 16, 32768, 8192
     q = SD((B, 1, 16, 576), jnp.bfloat16)
     pt, ln = SD((B, ctx // 64), jnp.int32), SD((B,), jnp.int32)
     out = []
-    variants = [("bf16", {})] + [("fp8", dict(fp8_upcast=u, fp8_dot=d))
-                                 for d in ("bf16", "fp16") for u in ("mixed", "tile", "operand")]
-    variants += [("fp8w", dict(fp8_upcast=u)) for u in ("words", "words_int")]
+    variants = [("bf16", {}), ("fp8", {})]
+    variants += [("fp8w", dict(fp8_upcast=u)) for u in ("words_pairs", "words", "words_int")]
     for dt, kw in variants:
         cdt = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "fp8w": jnp.uint16}[dt]
         cache = SD((pages, 64, 288 if dt == "fp8w" else 576), cdt)
-        cfg = resolve_config(q.shape, cache.shape, cdt, pt.shape, num_sms=132, **kw)
+        cfg = decode_config(q.shape, cache.shape, cdt, pt.shape, DecodeConfig(**kw), num_sms=132)
         args = (q, cache, pt, ln) + ((SD((pages, 64), jnp.float32),) if dt != "bf16" else ())
-        fn = (lambda *a, kw=kw: mla_decode(*a[:4], scale=0.07, backend="pallas",
-                                           cache_scale=a[4] if len(a) > 4 else None, **kw))
+        fn = (lambda *a, cfg=cfg: mla_decode(*a[:4], scale=0.07, backend="pallas",
+                                             cache_scale=a[4] if len(a) > 4 else None,
+                                             config=cfg))
         name = f"mla_decode {dt} " + " ".join(f"{k}={v}" for k, v in kw.items())
-        merge = [(4, 2)] if cfg["num_splits"] > 1 else []     # merge.py's launch
-        out.append((name, fn, args, [(cfg["num_warps"], cfg["num_stages"])] + merge))
+        merge = [(4, 2)] if cfg.num_splits > 1 else []     # merge.py's launch
+        out.append((name, fn, args, [(cfg.num_warps, cfg.num_stages)] + merge))
     return out
 
 

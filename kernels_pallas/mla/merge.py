@@ -1,9 +1,9 @@
 """Exact merge of the flash-decoding splits as one Pallas kernel (Triton lowering).
 
-`merge_stacked` (reference.py, the plain-JAX definition) does the same math; XLA runs it as about
-six small kernels (maximum, exponentials, two reductions, divisions, selects), a visible share of
-a batch-1 decode next to the attention kernel. Here it is one launch, about half their time
-(BENCHMARKS.md, MLA decode).
+`merge_stacked` (reference.py, the plain-JAX definition) does the same math; XLA runs it as
+several small kernels (maximum, exponentials, two reductions, divisions, selects), a visible
+share of a batch-1 decode next to the attention kernel; here it is one launch (BENCHMARKS.md,
+MLA decode).
 
 Grid (column blocks, rows, batch): program (c, r, b) reads the S split lses of row r (masked to
 a power of two), forms the weights w_s = exp(lse_s - max) / sum, then sums w_s * o_s[:, cols]
@@ -24,8 +24,8 @@ from jax.experimental.pallas import triton as plgpu
 from .._backend import triton_params
 
 
-# Splits the merge reads in one load; each further chunk is another dependent load (a second
-# chunk made the merge markedly slower at B1), so the split policy stays within one chunk.
+# Splits the merge reads in one load; each further chunk is another dependent load, so the split
+# policy (tuning.choose_num_splits) stays within one chunk.
 MERGE_CHUNK = 128
 
 
@@ -83,16 +83,11 @@ def merge_splits_pallas(o_part, lse_part, *, rows: int, out_dtype, interpret: bo
     fp32 (natural log) -> (o [B, rows, D] in out_dtype, lse [B, rows] fp32), merging over S; only
     the first `rows` of R are merged (the rest is the decode kernel's row padding).
 
-    Narrow column blocks and whole split ranges per load (block_d 32, up to 128 splits at once:
-    a [128, 32] fp32 tile, 32 registers a thread at 4 warps): at batch 1 the merge is a few
-    hundred programs of one or two dependent loads each. The first version (block_d 128,
-    16-split chunks: 64 programs of 8 dependent loads at B1, 128 splits) was no faster than
-    XLA's eight kernels.
-
-    block_d None: as wide as keeps a program's tile at 4096 values (min(S, s_chunk) rounded up to
-    a power of two, times block_d; 32 registers a thread at 4 warps), between 32 and D. With
-    few splits (B16-B64 decode: 2-16) block 32 made B x rows x 16 programs of a few values each,
-    slower than the wider blocks."""
+    Narrow column blocks and whole split ranges per load (up to 128 splits at once: a [128, 32]
+    fp32 tile, 32 registers a thread at 4 warps): at batch 1 the merge is a few hundred programs
+    of one or two dependent loads each. block_d None: as wide as keeps a program's tile at 4096
+    values (min(S, s_chunk) rounded up to a power of two, times block_d), between 32 and D, so
+    that few splits (2-16) do not make B x rows x 16 programs of a few values each."""
     B, S, R, D = o_part.shape
     if block_d is None:
         block_d = max(32, min(D, 4096 // min(_next_pow2(S), s_chunk)))

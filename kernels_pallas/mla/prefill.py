@@ -4,7 +4,7 @@ q, k [B, T, H, 192] (nope 128 | rope 64), v [B, T, H, 128], lengths [B] int32: q
 sequence b sees keys j <= i, j < lengths[b]; rows i >= lengths[b] come out 0 (lse -inf).
 Returns o [B, T, H, 128] in q.dtype (and lse [B, T, H] fp32 with return_lse=True).
 
-backends:
+Entry point: ops.mla_prefill; blocks: tuning.PrefillConfig. Backends:
 * "pallas" / "interpret": a flash-attention kernel (Triton lowering). Grid (query blocks, heads,
   batch); each program keeps o [block_q, 128] and the fp32 softmax state in registers and walks
   the key blocks up to min(its last query, length). 192 is not a power of two: the score is two
@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .softmax import online_softmax_step
-from .._backend import kernel_platform, resolve_backend, triton_params
+from .._backend import triton_params
 
 NOPE = 128
 QK_ROPE = 64
@@ -76,7 +76,7 @@ def _prefill_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_q, bl
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "num_warps",
                                              "num_stages", "interpret"))
-def _mla_prefill_pallas(q, k, v, lengths, *, scale, block_q, block_k, num_warps, num_stages,
+def prefill_pallas(q, k, v, lengths, *, scale, block_q, block_k, num_warps, num_stages,
                         interpret):
     B, T, H, _ = q.shape
     blk = max(block_q, block_k)
@@ -149,39 +149,3 @@ def mla_prefill_chunked(q, k, v, lengths, *, scale, chunk: int = 512):
     o = jnp.where(has[..., None], acc / l_safe[..., None], 0.0)
     lse = jnp.where(has, m_i + jnp.log(l_safe), -jnp.inf)
     return jnp.swapaxes(o, 1, 2).astype(q.dtype), jnp.swapaxes(lse, 1, 2)
-
-
-def default_blocks(platform: str) -> dict:
-    """(block_q, block_k, num_warps, num_stages) by platform. CUDA: 128-query blocks, 8 warps, 4
-    stages, the fastest of a GPU sweep at every shape but one (where it tied); still behind
-    cuDNN (BENCHMARKS.md, MLA prefill). Elsewhere (ROCm, the interpreter) 64 x 64 blocks, 4
-    warps, 2 stages: ~40 KiB a stage, inside MI300X's 64 KiB LDS (not measured on AMD)."""
-    if platform == "cuda":
-        return dict(block_q=128, block_k=64, num_warps=8, num_stages=4)
-    return dict(block_q=64, block_k=64, num_warps=4, num_stages=2)
-
-
-def mla_prefill(q, k, v, lengths, *, scale, backend: str | None = None, return_lse: bool = False,
-                block_q: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, chunk: int = 512):
-    """Causal variable-length MLA prefill attention (expanded form). See the module docstring.
-    Block sizes left None come from `default_blocks` for the platform the kernel runs on."""
-    backend = resolve_backend(backend)
-    d = default_blocks("interpret" if backend == "interpret" else kernel_platform())
-    block_q = d["block_q"] if block_q is None else block_q
-    block_k = d["block_k"] if block_k is None else block_k
-    num_warps = d["num_warps"] if num_warps is None else num_warps
-    num_stages = d["num_stages"] if num_stages is None else num_stages
-    if q.shape[-1] != QK_DIM or k.shape[-1] != QK_DIM or v.shape[-1] != V_DIM:
-        raise ValueError(f"q, k must end in {QK_DIM} and v in {V_DIM}: "
-                         f"{q.shape}, {k.shape}, {v.shape}")
-    if backend == "reference":
-        o, lse = mla_prefill_chunked(q, k, v, lengths, scale=float(scale), chunk=chunk)
-    else:
-        for n in (block_q, block_k):
-            if n < 16 or n & (n - 1):
-                raise ValueError(f"block sizes must be powers of two >= 16, got {n}")
-        o, lse = _mla_prefill_pallas(q, k, v, lengths, scale=float(scale), block_q=block_q,
-                                     block_k=block_k, num_warps=num_warps,
-                                     num_stages=num_stages, interpret=backend == "interpret")
-    return (o, lse) if return_lse else o

@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from kernels_pallas import resolve_backend
-from kernels_pallas.mla import mla_decode
-from kernels_pallas.mla.decode import CACHE_DIM
-from kernels_pallas.mla.reference import dequant_cache, quantize_words
+from kernels_pallas.mla import mla_decode, mla_prefill, mla_prefill_chunked
+from kernels_pallas.mla.reference import CACHE_DIM, dequant_cache, quantize_words
 from kernels_pallas.mla.softmax import online_softmax_step
-from kernels_pallas.mla.prefill import QK_DIM, V_DIM, mla_prefill, mla_prefill_chunked
+from kernels_pallas.mla.prefill import QK_DIM, V_DIM
 
 from .common import F32, RMSNorm, Weight, dense
 from .kda import RECURRENT_MAX_T

@@ -6,11 +6,11 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.mla import (fp8_to_words, merge_partials, merge_stacked, mla_decode,
-                                mla_decode_reference, mla_prefill, mla_prefill_reference,
-                                words_to_fp8)
-from kernels_pallas.mla.decode import (PAIR_ASM, WORD_ASM, WORD_UPCASTS, _e4m3_word_halves,
-                                       _e4m3_word_pairs)
+from kernels_pallas.mla import (DecodeConfig, PrefillConfig, fp8_to_words, merge_partials,
+                                merge_stacked, mla_decode, mla_decode_reference, mla_prefill,
+                                mla_prefill_reference, words_to_fp8)
+from kernels_pallas.mla.fp8_words import PAIR_ASM, WORD_ASM, e4m3_word_halves, e4m3_word_pairs
+from kernels_pallas.mla.tuning import WORD_UPCASTS
 from tests.ptx_emulator import emulate_ptx  # noqa: E402
 
 SCALE = 1.0 / np.sqrt(192.0)
@@ -43,8 +43,11 @@ def _check(o, lse, ro, rlse, atol):
     assert np.all(o[~fin] == 0), "rows without keys must be 0"
 
 
-@pytest.mark.parametrize("H,Tq", [(12, 1), (16, 1), (12, 4), (16, 4)])
-def test_decode_bf16_edges(H, Tq):
+@pytest.mark.parametrize("H,Tq,out", [(12, 1, jnp.float32), (16, 1, jnp.float32),
+                                       (12, 4, jnp.bfloat16), (16, 4, jnp.bfloat16)])
+def test_decode_bf16_edges(H, Tq, out):
+    """Three splits merged; a bf16 output: the splits' partials stored in bf16 (half the merge's
+    traffic), within bf16 rounding of the reference."""
     rng = np.random.default_rng(H * 10 + Tq)
     ps = 16
     # 0 (masked), 1, Tq-1 (fewer keys than queries), page boundaries, a longer one
@@ -52,10 +55,11 @@ def test_decode_bf16_edges(H, Tq):
     cache, pt, ln = _paged_cache(rng, lengths, ps, 10, jnp.bfloat16)
     q = _q(rng, len(lengths), Tq, H)
     ro, rlse = mla_decode_reference(q, cache, pt, ln, scale=SCALE, out_dtype=jnp.float32)
-    o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", num_splits=3,
-                        out_dtype=jnp.float32)
+    o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", out_dtype=out,
+                        config=DecodeConfig(num_splits=3))
     assert o.shape == (len(lengths), Tq, H, 512) and lse.shape == (len(lengths), Tq, H)
-    _check(o, lse, ro, rlse, atol=2e-2)
+    assert o.dtype == out
+    _check(o, lse, ro, rlse, atol=2e-2 if out == jnp.float32 else 3e-2)
 
 
 def test_decode_long_ragged_fp32_exact():
@@ -67,7 +71,7 @@ def test_decode_long_ragged_fp32_exact():
     ro, rlse = mla_decode_reference(q, cache, pt, ln, scale=SCALE)
     for splits, bk in ((1, 64), (7, 32)):
         o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret",
-                            num_splits=splits, block_k=bk)
+                            config=DecodeConfig(num_splits=splits, block_k=bk))
         _check(o, lse, ro, rlse, atol=2e-5)
 
 
@@ -98,7 +102,8 @@ def _check_fp8(rng, lengths, ps, maxp, per_token, Tq, H, **kw):
                                     out_dtype=jnp.float32)
     words = kw.get("fp8_upcast") in WORD_UPCASTS
     o, lse = mla_decode(q, fp8_to_words(cache8) if words else cache8, pt, ln, scale=SCALE,
-                        backend="interpret", cache_scale=cs, out_dtype=jnp.float32, **kw)
+                        backend="interpret", cache_scale=cs, out_dtype=jnp.float32,
+                        config=DecodeConfig(**kw))
     _check(o, lse, ro, rlse, atol=2e-2)
     r32, _ = mla_decode_reference(q, cache32, pt, ln, scale=SCALE, out_dtype=jnp.float32)
     rel = float(jnp.linalg.norm(o - r32) / jnp.linalg.norm(r32))
@@ -127,7 +132,8 @@ def test_decode_default_config_and_reference_backend():
 def test_decode_page_and_token_loads(Tq, H):
     """The "page" load (one page id per step, page ids read per chunk of 32 steps) against the
     reference and the "token" load: lengths 0 / 1 / < Tq, page and block boundaries, and one
-    sequence of 38 blocks, which crosses a chunk when it is not split."""
+    sequence of 38 blocks, which crosses a chunk when it is not split; the QK^T dots summed in
+    one accumulator chain or each scaled first (split_qk_acc)."""
     rng = np.random.default_rng(20 + Tq)
     ps, maxp = 32, 20
     lengths = [0, 1, max(Tq - 1, 0), 15, 16, 17, 31, 32, 33, 600]
@@ -135,44 +141,40 @@ def test_decode_page_and_token_loads(Tq, H):
     q = _q(rng, len(lengths), Tq, H)
     ro, rlse = mla_decode_reference(q, cache, pt, ln, scale=SCALE, out_dtype=jnp.float32)
     outs = {}
-    for load, splits, chunks in (("page", 1, 0), ("page", 4, 0), ("token", 4, 0),
-                                 ("page", 4, 2), ("token", 1, 4)):
-        o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", load=load,
-                            num_splits=splits, block_k=16, block_h=16, out_dtype=jnp.float32,
-                            lat_chunks=chunks)
+    for load, splits, acc in (("page", 1, False), ("page", 4, False), ("token", 4, False),
+                              ("token", 1, True)):
+        o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret",
+                            out_dtype=jnp.float32,
+                            config=DecodeConfig(load=load, num_splits=splits, block_k=16,
+                                                block_h=16, split_qk_acc=acc))
         _check(o, lse, ro, rlse, atol=2e-2)
-        outs[load, splits, chunks] = np.asarray(o)
-    np.testing.assert_allclose(outs["page", 4, 0], outs["token", 4, 0], atol=1e-5, rtol=0)
-    # independent QK^T accumulators per latent chunk: the same sums in another order
-    np.testing.assert_allclose(outs["page", 4, 2], outs["page", 4, 0], atol=1e-4, rtol=0)
+        outs[load, splits, acc] = np.asarray(o)
+    np.testing.assert_allclose(outs["page", 4, False], outs["token", 4, False], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("upcast,per_token,Tq,dot,chunks", [
-    ("mixed", True, 4, "bf16", 0), ("tile", True, 1, "bf16", 0), ("operand", True, 4, "bf16", 0),
-    ("mixed", False, 1, "bf16", 0), ("mixed", True, 1, "fp16", 0), ("tile", False, 4, "fp16", 0),
-    ("operand", True, 1, "fp16", 0), ("operand", True, 4, "fp16", 2), ("mixed", False, 1, "bf16", 4)])
-def test_decode_fp8_upcasts(upcast, per_token, Tq, dot, chunks):
-    """Each fp8 upcast and dot dtype on the "page" load: lengths 0 / 1, page boundaries,
-    ragged, 2 chunks."""
+@pytest.mark.parametrize("per_token,Tq,acc", [(True, 4, False), (False, 1, False),
+                                              (True, 1, True)])
+def test_decode_fp8_operand(per_token, Tq, acc):
+    """A float8 cache ("operand", fp16 dots) on the "page" load: lengths 0 / 1, page boundaries,
+    ragged, 2 chunks of page ids."""
     _check_fp8(np.random.default_rng(30 + Tq + per_token), [0, 1, 16, 17, 100, 530], 16, 34,
-               per_token, Tq, 16, num_splits=1, block_k=16, fp8_upcast=upcast, fp8_dot=dot,
-               lat_chunks=chunks)
+               per_token, Tq, 16, num_splits=1, block_k=16, split_qk_acc=acc)
 
 
-@pytest.mark.parametrize("upcast,per_token,Tq,H,load,chunks", [
-    ("words", True, 1, 16, "page", 0), ("words", False, 4, 16, "page", 0),
-    ("words", True, 4, 12, "token", 0), ("words_int", True, 1, 16, "page", 0),
-    ("words_int", False, 4, 12, "token", 0), ("words_pairs", True, 1, 16, "page", 0),
-    ("words_pairs", False, 4, 12, "token", 0), ("words_pairs", True, 1, 16, "page", 2),
-    ("words_pairs", False, 4, 12, "page", 4), ("words", True, 1, 12, "token", 2)])
-def test_decode_fp8_words(upcast, per_token, Tq, H, load, chunks):
+@pytest.mark.parametrize("upcast,per_token,Tq,H,load,acc", [
+    ("words", True, 1, 16, "page", False), ("words", False, 4, 12, "token", False),
+    ("words_int", True, 1, 16, "page", False), ("words_int", False, 4, 12, "token", False),
+    ("words_pairs", True, 1, 16, "page", True), ("words_pairs", False, 4, 12, "token", False),
+    ("words", True, 1, 12, "token", True)])
+def test_decode_fp8_words(upcast, per_token, Tq, H, load, acc):
     """The fp8 cache in the words form: lengths 0 / 1 / page boundaries / ragged, 2 chunks of
-    page ids, one split and several, the conversions, both loads, 12 and 16 heads (16 and 64
-    rows), the latent in 1 / 2 / 4 column chunks of independent QK^T accumulators."""
+    page ids, one split and several, the conversions, both loads, 12 and 16 heads (16 rows: q
+    scaled and its columns loaded in the kernel; 64 rows: before it), split QK^T accumulators
+    on and off."""
     for splits in (1, 3):
         _check_fp8(np.random.default_rng(50 + Tq + per_token + splits), [0, 1, 16, 17, 100, 530],
                    16, 34, per_token, Tq, H, num_splits=splits, block_k=16, load=load,
-                   fp8_upcast=upcast, lat_chunks=chunks)
+                   fp8_upcast=upcast, split_qk_acc=acc)
 
 
 def test_fp8_words_form():
@@ -206,7 +208,7 @@ def test_word_conversions_every_word():
     w = np.arange(1 << 16, dtype=np.uint16)
     want = w.view(np.uint8).view(jnp.float8_e4m3fn).astype(np.float32).reshape(-1, 2)
     nan = np.isnan(want)
-    halves = {c: [np.asarray(h) for h in _e4m3_word_halves(jnp.asarray(w), c, ptx=False)]
+    halves = {c: [np.asarray(h) for h in e4m3_word_halves(jnp.asarray(w), c, ptx=False)]
               for c in ("cvt", "int")}
     for i in (0, 1):
         got = halves["cvt"][i].astype(np.float32)
@@ -227,7 +229,7 @@ def test_word_conversions_every_word():
     # pairs: a register's word k -> output k, its low / high byte in the output's half 0 / 1,
     # as the jnp path pairs adjacent words
     seq = np.asarray(jax.random.permutation(jax.random.key(63), w), np.uint16)
-    pair_jnp = [np.asarray(h).view(np.uint16) for h in _e4m3_word_pairs(jnp.asarray(seq), False)]
+    pair_jnp = [np.asarray(h).view(np.uint16) for h in e4m3_word_pairs(jnp.asarray(seq), False)]
     regs = seq[0::2].astype(np.uint32) | (seq[1::2].astype(np.uint32) << np.uint32(16))
     outs = [emulate_ptx(asm, [regs], 1)[0] for asm in PAIR_ASM]
     for k in (0, 1):
@@ -241,18 +243,20 @@ def test_word_conversions_every_word():
 
 
 def test_decode_fp8_words_errors():
-    """A words cache runs the words upcasts and a float8 cache the others, each with a message
-    that names the fix; the words upcasts run fp16 dots."""
+    """A words cache runs the words upcasts and a float8 cache "operand", a 16-bit cache none,
+    each with a message that names the fix."""
     rng = np.random.default_rng(62)
     _, cache8, cs, pt, ln = _fp8_cache(rng, [5, 40], 16, 4, True)
     q = _q(rng, 2, 1, 16)
     kw = dict(scale=SCALE, backend="interpret", cache_scale=cs)
     with pytest.raises(ValueError, match="fp8_to_words"):
-        mla_decode(q, cache8, pt, ln, fp8_upcast="words", **kw)
+        mla_decode(q, cache8, pt, ln, config=DecodeConfig(fp8_upcast="words"), **kw)
     with pytest.raises(ValueError, match="words form"):
-        mla_decode(q, fp8_to_words(cache8), pt, ln, fp8_upcast="operand", **kw)
-    with pytest.raises(ValueError, match="fp16"):
-        mla_decode(q, fp8_to_words(cache8), pt, ln, fp8_dot="bf16", **kw)
+        mla_decode(q, fp8_to_words(cache8), pt, ln, config=DecodeConfig(fp8_upcast="operand"),
+                   **kw)
+    with pytest.raises(ValueError, match="only an fp8 cache"):
+        mla_decode(q, cache8.astype(jnp.bfloat16), pt, ln,
+                   config=DecodeConfig(fp8_upcast="operand"), **kw)
     with pytest.raises(ValueError, match="cache_scale"):
         mla_decode(q, fp8_to_words(cache8), pt, ln, scale=SCALE, backend="interpret")
     with pytest.raises(ValueError, match="288"):
@@ -275,100 +279,88 @@ def test_decode_fp8_fp16_dots_keep_large_q(upcast):
     c = fp8_to_words(cache8) if upcast == "words" else cache8
     for block_h in (16, 64):        # q rows scaled in the kernel / before it
         o, lse = mla_decode(q, c, pt, ln, scale=SCALE, backend="interpret", cache_scale=cs,
-                            out_dtype=jnp.float32, num_splits=2, block_k=16, fp8_dot="fp16",
-                            fp8_upcast=upcast, block_h=block_h)
+                            out_dtype=jnp.float32,
+                            config=DecodeConfig(num_splits=2, block_k=16, fp8_upcast=upcast,
+                                                block_h=block_h))
         _check(o, lse, ro, rlse, atol=2e-2)
 
 
 def test_split_policy_and_config():
-    from kernels_pallas.mla.decode import (choose_num_splits, default_config, programs_per_sm,
-                                           resolve_config, smem_bytes)
-    # "waves": B x splits programs fill whole waves of 264 slots; "fill" is the old rule, which
-    # gave 17 splits at B16 (272 programs: a second wave of 8).
+    from kernels_pallas.mla.merge import MERGE_CHUNK
+    from kernels_pallas.mla.tuning import (choose_num_splits, decode_config, programs_per_sm,
+                                           smem_bytes)
+    # B x splits programs fill whole waves of 264 slots
     for B, cap in ((16, 32768), (64, 131072), (16, 131072)):
         s = choose_num_splits(B, 1, cap, 32, rows_p=16, slots=264)
         waves = -(-B * s // 264)
         assert B * s >= 0.9 * 264 * waves, (B, cap, s)
     # ... but at most the merge's one-load chunk of splits (a second chunk costs more)
-    from kernels_pallas.mla.merge import MERGE_CHUNK
     assert choose_num_splits(1, 1, 131072, 32, rows_p=16, slots=264) == MERGE_CHUNK == 128
-    assert choose_num_splits(16, 1, 32768, 64, rows_p=16, slots=264, policy="fill",
-                             num_sms=132) == 17
     assert choose_num_splits(2, 1, 100, 64, rows_p=16, slots=264) == 2       # <= key blocks
     # every default fits the H200's 227 KiB of shared memory a program
-    for dt in (jnp.bfloat16, jnp.float8_e4m3fn):
-        for rows in (12, 16, 32, 48, 128):
-            c = default_config(8, rows, 65536, dt, 64, num_sms=132)
-            isz = jnp.dtype(dt).itemsize
-            assert smem_bytes(c["block_h"], c["block_k"], c["num_stages"], isz,
-                              c["fp8_upcast"]) <= 227 * 1024
-            assert programs_per_sm(c["block_h"], c["block_k"], c["num_warps"],
-                                   c["num_stages"], isz) >= 1
+    for dt in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.uint16):
+        for heads in (12, 16, 32, 48, 128):
+            c = decode_config((8, 1, heads, 576), (100, 64, 288 if dt == jnp.uint16 else 576),
+                              dt, (8, 1024), num_sms=132, platform="cuda")
+            isz = 2 if dt == jnp.bfloat16 else 1
+            assert smem_bytes(c.block_h, c.block_k, c.num_stages, isz) <= 227 * 1024
+            assert programs_per_sm(c.block_h, c.block_k, c.num_warps, c.num_stages, isz) >= 1
     q, cache, pt = (8, 1, 16, 576), (100, 16, 576), (8, 12)
-    c = resolve_config(q, cache, jnp.bfloat16, pt, block_k=32)
-    assert c["load"] == "token"                       # 16-token pages, 32-token steps
-    assert resolve_config(q, cache, jnp.bfloat16, pt, block_k=16)["load"] == "page"
-    assert resolve_config(q, cache, jnp.bfloat16, pt, num_splits=5)["num_splits"] == 5
-    fill = resolve_config(q, cache, jnp.bfloat16, pt, num_splits="fill", num_sms=132)
-    assert fill["num_splits"] == 1                    # the old rule: >= 256 tokens a split
-    for bad in (dict(load="page", block_k=32), dict(load="x"), dict(fp8_upcast="x"),
-                dict(fp8_dot="fp32"),
-                dict(num_splits="x"), dict(block_k=48)):
+    c = decode_config(q, cache, jnp.bfloat16, pt, DecodeConfig(block_k=32))
+    assert c.load == "token"                          # 16-token pages, 32-token steps
+    assert decode_config(q, cache, jnp.bfloat16, pt, DecodeConfig(block_k=16)).load == "page"
+    assert decode_config(q, cache, jnp.bfloat16, pt, DecodeConfig(num_splits=5)).num_splits == 5
+    for bad in (dict(load="page", block_k=32), dict(load="x"), dict(block_k=48),
+                dict(block_h=8), dict(fp8_upcast="words")):
         with pytest.raises(ValueError):
-            resolve_config(q, cache, jnp.bfloat16, pt, **bad)
+            decode_config(q, cache, jnp.bfloat16, pt, DecodeConfig(**bad))
+    with pytest.raises(ValueError, match="not one of"):
+        decode_config(q, cache, jnp.float8_e4m3fn, pt, DecodeConfig(fp8_upcast="x"))
 
 
 def test_default_config_is_the_measured_winner():
-    """bf16, 16 rows: the H200 sweep's winner (64-key blocks, 4 warps, 3 stages, page load,
-    "waves") with the split counts it ran at (git history of benchmarks/results_mla.md); 16-token
-    pages: 64-key "token" loads with 2 stages; fp8: the 2026-11-30 winner ("operand" upcast,
-    fp16 dots); bf16 64-row blocks (96 / 128 heads): 64-key blocks, 2 stages (2026-11-30); fp32
-    and 32-row blocks keep their configs."""
-    from kernels_pallas.mla.decode import default_config, resolve_config
+    """The tuning table's rows as measured on the H200: bf16, 16 rows: 64-key blocks, 4 warps,
+    3 stages, page load, with the split counts the sweep ran at; 16-token pages: 64-key "token"
+    loads with 2 stages; float8: 64-key blocks, 8 warps, 3 stages ("operand"); the words form:
+    "words_pairs" with split QK^T accumulators at 16 rows, "words" at 64; bf16 64-row blocks
+    (96 / 128 heads): 64-key blocks, 2 stages; fp32 and 32-row blocks: the fallback."""
+    from kernels_pallas.mla.tuning import decode_config
 
     pool = (131072, 64, 576)
     for (B, ctx), splits in {(16, 32768): 8, (64, 131072): 2, (1, 131072): 128}.items():
-        c = resolve_config((B, 1, 16, 576), pool, jnp.bfloat16, (B, ctx // 64), num_sms=132)
-        assert c == dict(block_h=16, block_k=64, num_warps=4, num_stages=3, num_splits=splits,
-                         load="page", fp8_upcast="mixed", fp8_dot="bf16", lat_chunks=0), (B, ctx, c)
-        c8 = resolve_config((B, 1, 16, 576), pool, jnp.float8_e4m3fn, (B, ctx // 64),
-                            num_sms=132)
-        assert (c8["block_k"], c8["num_warps"], c8["num_stages"], c8["fp8_upcast"],
-                c8["fp8_dot"]) == (64, 8, 3, "operand", "fp16")
-        # the fp8 words form: the 2026-12-03 winner ("words_pairs", one accumulator per QK^T
-        # dot; 71.6-81.6% of copy at 16 heads from B16 32K up, "words" 68-76%)
-        cw = resolve_config((B, 1, 16, 576), (131072, 64, 288), jnp.uint16, (B, ctx // 64),
-                            num_sms=132, platform="cuda")
-        assert (cw["block_k"], cw["num_warps"], cw["num_stages"], cw["fp8_upcast"],
-                cw["fp8_dot"], cw["load"], cw["lat_chunks"]) == (64, 4, 3, "words_pairs", "fp16",
-                                                                  "page", 1)
-        c128 = resolve_config((B, 1, 128, 576), (131072, 64, 288), jnp.uint16, (B, ctx // 64),
-                              num_sms=132, platform="cuda")
-        # 64-row blocks: "words", 64-key blocks, 2 stages (2026-12-03 call 5: 1.18-1.24x faster
-        # than "words_pairs" at 32-key blocks at 96 / 128 heads)
-        assert (c128["block_h"], c128["fp8_upcast"], c128["lat_chunks"], c128["block_k"],
-                c128["num_warps"], c128["num_stages"]) == (64, "words", 0, 64, 8, 2)
-        assert cw["num_splits"] == {16: 16, 64: 4, 1: 128}[B]
-    c = resolve_config((16, 1, 12, 576), (100, 16, 576), jnp.bfloat16, (16, 2048), num_sms=132)
-    assert (c["block_k"], c["num_warps"], c["num_stages"], c["load"]) == (64, 4, 2, "token")
-    for dt, rows in ((jnp.float32, 16), (jnp.bfloat16, 32)):
-        c = default_config(8, rows, 65536, dt, 64, num_sms=132)
-        assert (c["block_k"], c["num_warps"], c["num_stages"]) == (32, 8, 3), (dt, rows)
-    for heads in (96, 128):     # 64-row blocks: the 2026-11-30 H200 winner
-        c = resolve_config((16, 1, heads, 576), pool, jnp.bfloat16, (16, 512), num_sms=132)
-        assert (c["block_h"], c["block_k"], c["num_warps"], c["num_stages"]) == (64, 64, 8, 2)
+        c = decode_config((B, 1, 16, 576), pool, jnp.bfloat16, (B, ctx // 64), num_sms=132)
+        assert c == DecodeConfig(block_h=16, block_k=64, num_warps=4, num_stages=3,
+                                 num_splits=splits, load="page", fp8_upcast=None,
+                                 split_qk_acc=False), (B, ctx, c)
+        c8 = decode_config((B, 1, 16, 576), pool, jnp.float8_e4m3fn, (B, ctx // 64),
+                           num_sms=132)
+        assert (c8.block_k, c8.num_warps, c8.num_stages, c8.fp8_upcast) == (64, 8, 3, "operand")
+        cw = decode_config((B, 1, 16, 576), (131072, 64, 288), jnp.uint16, (B, ctx // 64),
+                           num_sms=132, platform="cuda")
+        assert (cw.block_k, cw.num_warps, cw.num_stages, cw.fp8_upcast, cw.load,
+                cw.split_qk_acc) == (64, 4, 3, "words_pairs", "page", True)
+        c128 = decode_config((B, 1, 128, 576), (131072, 64, 288), jnp.uint16, (B, ctx // 64),
+                             num_sms=132, platform="cuda")
+        assert (c128.block_h, c128.fp8_upcast, c128.split_qk_acc, c128.block_k,
+                c128.num_warps, c128.num_stages) == (64, "words", False, 64, 8, 2)
+        assert cw.num_splits == {16: 16, 64: 4, 1: 128}[B]
+    c = decode_config((16, 1, 12, 576), (100, 16, 576), jnp.bfloat16, (16, 2048), num_sms=132)
+    assert (c.block_k, c.num_warps, c.num_stages, c.load) == (64, 4, 2, "token")
+    for dt, heads in ((jnp.float32, 16), (jnp.bfloat16, 32)):
+        c = decode_config((8, 1, heads, 576), pool, dt, (8, 1024), num_sms=132)
+        assert (c.block_k, c.num_warps, c.num_stages) == (32, 8, 3), (dt, heads)
+    for heads in (96, 128):
+        c = decode_config((16, 1, heads, 576), pool, jnp.bfloat16, (16, 512), num_sms=132)
+        assert (c.block_h, c.block_k, c.num_warps, c.num_stages) == (64, 64, 8, 2)
 
 
 @pytest.mark.parametrize("dtype,kw", [
-    ("bf16", {}), ("bf16", dict(load="token")), ("bf16", dict(Tq=4, H=12)),
-    ("fp8", dict(fp8_upcast="mixed")), ("fp8", dict(fp8_upcast="tile", per_token=False)),
-    ("fp8", dict(fp8_upcast="operand")), ("fp8", dict(fp8_upcast="mixed", fp8_dot="fp16")),
-    ("fp8", dict(fp8_upcast="tile", fp8_dot="fp16", per_token=False)),
-    ("fp8w", {}), ("fp8w", dict(fp8_upcast="words_int", per_token=False)),
-    ("fp8w", dict(Tq=4, H=12)), ("fp8w", dict(H=128)), ("fp8w", dict(fp8_upcast="words_pairs")),
-    ("fp8w", dict(fp8_upcast="words_pairs", lat_chunks=2, H=128)), ("bf16", dict(lat_chunks=2))])
+    ("bf16", {}), ("bf16", dict(load="token")), ("bf16", dict(Tq=4, H=12)), ("fp8", {}),
+    ("fp8", dict(per_token=False, H=128)), ("fp8w", {}),
+    ("fp8w", dict(fp8_upcast="words_int", per_token=False)), ("fp8w", dict(Tq=4, H=12)),
+    ("fp8w", dict(H=128)), ("fp8w", dict(fp8_upcast="words_pairs", H=128))])
 def test_decode_lowers_for_h200(dtype, kw):
-    """Each variant lowers to Triton IR for an H200 (no GPU needed), with a > 4 GiB cache."""
+    """Each path lowers to Triton IR for an H200 (no GPU needed), with a > 4 GiB cache."""
     from kernels_pallas.gpu_lowering import lower_for_gpu
     kw = dict(kw)
     Tq, H, per_token = kw.pop("Tq", 1), kw.pop("H", 16), kw.pop("per_token", True)
@@ -381,11 +373,12 @@ def test_decode_lowers_for_h200(dtype, kw):
     pt, ln = sd((B, ctx // 64), jnp.int32), sd((B,), jnp.int32)
     if dtype == "bf16":
         lower_for_gpu(lambda q, c, p, l: mla_decode(q, c, p, l, scale=SCALE, backend="pallas",
-                                                   **kw), q, cache, pt, ln)
+                                                   config=DecodeConfig(**kw)), q, cache, pt, ln)
     else:
         cs = sd((pages, 64) if per_token else (), jnp.float32)
         lower_for_gpu(lambda q, c, p, l, s: mla_decode(q, c, p, l, scale=SCALE, cache_scale=s,
-                                                       backend="pallas", **kw),
+                                                       backend="pallas",
+                                                       config=DecodeConfig(**kw)),
                       q, cache, pt, ln, cs)
 
 
@@ -406,7 +399,7 @@ def test_merge_partials_over_random_shards():
             sub_len = jnp.clip(ln - a * ps, 0, (b - a) * ps)
             backend = "interpret" if trial == 0 else "reference"
             o_s, l_s = mla_decode(q, cache, sub_pt, sub_len, scale=SCALE, backend=backend,
-                                  num_splits=2)
+                                  config=DecodeConfig(num_splits=2))
             os_.append(o_s)
             ls_.append(l_s)
         o, lse = merge_partials(os_, ls_)
@@ -428,7 +421,7 @@ def test_prefill(dtype):
     atol = 2e-5 if dtype == jnp.float32 else 3e-2
     for backend in ("interpret", "reference"):
         o, lse = mla_prefill(q, k, v, ln, scale=SCALE, backend=backend, return_lse=True,
-                             block_q=32, block_k=16, chunk=32)
+                             config=PrefillConfig(block_q=32, block_k=16), chunk=32)
         assert o.shape == (B, T, H, 128) and o.dtype == dtype
         _check(o, lse, ro, rlse, atol=atol)
 
@@ -452,37 +445,6 @@ def test_merge_kernel_matches_merge_stacked(B, S, R, rows):
     _check(o_m, lse_m, ro, rlse, atol=2e-6)
 
 
-def test_decode_pallas_and_xla_merges_agree():
-    rng = np.random.default_rng(50)
-    lengths = [0, 3, 200, 77]
-    cache, pt, ln = _paged_cache(rng, lengths, 16, 14, jnp.bfloat16)
-    q = _q(rng, 4, 1, 12)
-    a = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", num_splits=5,
-                   block_k=16, out_dtype=jnp.float32, merge="pallas")
-    b = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", num_splits=5,
-                   block_k=16, out_dtype=jnp.float32, merge="xla")
-    _check(a[0], a[1], b[0], b[1], atol=1e-5)
-    with pytest.raises(ValueError, match="merge"):
-        mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", merge="cuda")
-
-
-@pytest.mark.parametrize("Tq", [1, 4])
-def test_decode_bf16_partials(Tq):
-    """partials="bfloat16": the per-split outputs stored in bf16 (half the merge traffic) stay
-    within bf16 rounding of the reference; the Pallas merge reads them as they are."""
-    rng = np.random.default_rng(60 + Tq)
-    lengths = [0, 1, 200, 77, 16]
-    cache, pt, ln = _paged_cache(rng, lengths, 16, 14, jnp.bfloat16)
-    q = _q(rng, len(lengths), Tq, 12)
-    ro, rlse = mla_decode_reference(q, cache, pt, ln, scale=SCALE, out_dtype=jnp.float32)
-    for merge in ("pallas", "xla"):
-        o, lse = mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", num_splits=5,
-                            block_k=16, out_dtype=jnp.float32, merge=merge, partials="bfloat16")
-        _check(o, lse, ro, rlse, atol=2e-2)
-    with pytest.raises(ValueError, match="partials"):
-        mla_decode(q, cache, pt, ln, scale=SCALE, backend="interpret", partials="fp16")
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.uint16])
 def test_rocm_default_fits_mi300x_and_lowers(dtype, monkeypatch):
     """On ROCm the defaults are 32-key blocks, 4 warps, 1 stage (the H200's bk64 st3 needs 147 KiB
@@ -490,30 +452,27 @@ def test_rocm_default_fits_mi300x_and_lowers(dtype, monkeypatch):
     the words form (uint16) takes "words_int" there, without PTX."""
     from kernels_pallas.gpu_lowering import lower_for_gpu
     from kernels_pallas.mla import decode
-    from kernels_pallas.mla.decode import resolve_config, smem_bytes
+    from kernels_pallas.mla.tuning import decode_config, smem_bytes
     B, ctx, pages = 16, 32768, 8192
     width = 288 if dtype == jnp.uint16 else 576
-    c = resolve_config((B, 1, 16, 576), (pages, 64, width), dtype, (B, ctx // 64),
-                       num_sms=304, platform="rocm")
-    assert (c["block_k"], c["num_warps"], c["num_stages"], c["load"]) == (32, 4, 1, "page")
-    assert smem_bytes(c["block_h"], c["block_k"], c["num_stages"],
-                      1 if dtype == jnp.uint16 else jnp.dtype(dtype).itemsize,
-                      c["fp8_upcast"]) <= 64 * 1024
+    c = decode_config((B, 1, 16, 576), (pages, 64, width), dtype, (B, ctx // 64),
+                      num_sms=304, platform="rocm")
+    assert (c.block_k, c.num_warps, c.num_stages, c.load) == (32, 4, 1, "page")
+    assert smem_bytes(c.block_h, c.block_k, c.num_stages,
+                      1 if dtype == jnp.uint16 else jnp.dtype(dtype).itemsize) <= 64 * 1024
     sd = jax.ShapeDtypeStruct
-    kw = {k: c[k] for k in ("block_k", "num_warps", "num_stages", "num_splits")}
     if dtype == jnp.uint16:
-        assert c["fp8_upcast"] == "words_int"
+        assert c.fp8_upcast == "words_int" and not c.split_qk_acc
         with pytest.raises(ValueError, match="words_int"):    # "words" is NVIDIA PTX
-            resolve_config((B, 1, 16, 576), (pages, 64, width), dtype, (B, ctx // 64),
-                           num_sms=304, platform="rocm", fp8_upcast="words")
-        kw["fp8_upcast"] = c["fp8_upcast"]
+            decode_config((B, 1, 16, 576), (pages, 64, width), dtype, (B, ctx // 64),
+                          DecodeConfig(fp8_upcast="words"), num_sms=304, platform="rocm")
         monkeypatch.setattr(decode, "kernel_platform", lambda: "rocm")   # the jnp bits, no PTX
     args = (sd((B, 1, 16, 576), jnp.bfloat16), sd((pages, 64, width), dtype),
             sd((B, ctx // 64), jnp.int32), sd((B,), jnp.int32))
     if dtype == jnp.bfloat16:
         lower_for_gpu(lambda q, ca, p, l: mla_decode(q, ca, p, l, scale=SCALE, backend="pallas",
-                                                    **kw), *args, platform="rocm")
+                                                    config=c), *args, platform="rocm")
     else:
         lower_for_gpu(lambda q, ca, p, l, s: mla_decode(q, ca, p, l, scale=SCALE, cache_scale=s,
-                                                       backend="pallas", **kw),
+                                                       backend="pallas", config=c),
                       *args, sd((pages, 64), jnp.float32), platform="rocm")
