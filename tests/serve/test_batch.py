@@ -172,26 +172,25 @@ def test_progress_bar_shows_requests_tokens_per_s_and_errors(tmp_path, tiny_mode
     assert "3/3 requests" in err and "tok/s, 1 errors" in err and "[00:" in err
 
 
-def test_two_processes_kill_and_resume(tmp_path):
+def test_two_processes_kill_and_resume(tmp_path, tiny_models):
     """`kimik3 batch` over 2 processes x 4 CPU devices (one TP8 mesh; process 0 reads the input
     and writes the output): SIGKILL both mid-run, add a torn line, rerun both: every id once, and
-    the tokens of one process on 8 devices with the same mesh (run alongside the killed job)."""
-    inp, ref_out, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    with open(inp, "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"id": i, "prompt": list(range(1, 4 + 5 * i)), "max_new_tokens": 2 + i}) + "\n")
-        f.write("{not json\n")
-    mesh = ["--tensor", "8"]
+    the greedy tokens of one process on one device."""
+    import kimik3
 
-    def two_processes(**kw):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts, lengths = [list(range(1, 4 + 5 * i)) for i in range(8)], [2 + i for i in range(8)]
+    with open(inp, "w") as f:
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            f.write(json.dumps({"id": i, "prompt": p, "max_new_tokens": n}) + "\n")
+        f.write("{not json\n")
+
+    def two_processes():
         port = free_port()
-        return [subprocess.Popen(_cmd(inp, out) + mesh + process_flags(pid, 2, port), env=cpu_env(4),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kw)
-                for pid in range(2)]
+        return [subprocess.Popen(_cmd(inp, out) + ["--tensor", "8"] + process_flags(pid, 2, port), env=cpu_env(4),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for pid in range(2)]
 
     procs = two_processes()
-    ref = subprocess.Popen(_cmd(inp, ref_out) + mesh, env=cpu_env(8), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 400
     while time.time() < deadline and all(p.poll() is None for p in procs):
         if out.exists() and out.read_text().count("\n") >= 3:  # the bad line's record and 2 results
@@ -207,10 +206,9 @@ def test_two_processes_kill_and_resume(tmp_path):
     (rc0, err0), (rc1, err1) = finish(two_processes(), 400)
     assert rc0 == rc1 == 0, err0[-2000:] + err1[-2000:]
     assert f"{partial} already done" in err0
-    (rc, err), = finish([ref], 400)
-    assert rc == 0, err[-2000:]
-    got, want = _records(out), {_rkey(r): r for r in _records(ref_out)}
-    assert len(want) == 9 and sorted(map(_rkey, got)) == sorted(want)  # each id exactly once
-    for r in got:
-        for key in ("tokens", "error", "finish_reason", "usage"):
-            assert r.get(key) == want[_rkey(r)].get(key), (r["id"], key)
+    got = {_rkey(r): r for r in _records(out)}
+    assert len(got) == len(_records(out)) == 9  # each id exactly once
+    assert "not JSON" in got["[null, 9]"]["error"]
+    # greedy continuations are prefixes of longer ones: one call gives every request's tokens
+    want = kimik3.generate(tiny_models["tiny"], prompts, max_new_tokens=max(lengths))
+    assert [got[f"[{i}, null]"]["tokens"] for i in range(8)] == [w[:n] for w, n in zip(want, lengths)]
