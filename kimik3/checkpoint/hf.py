@@ -298,8 +298,8 @@ def load_hf(path: str, mesh=None, dtype=None, mxfp4_layout: str = "auto") -> Mod
             sharding = _get(shardings, slot.path)
             if slot.index is None:
                 box = local_box(leaf.shape, sharding)
-                _set(params, slot.path, place(_read(f, file_key, key, slot, box).astype(leaf.dtype), box, leaf.shape,
-                                              sharding))
+                block = _read(f, file_key, key, slot, box).astype(leaf.dtype, copy=False)
+                _set(params, slot.path, place(block, box, leaf.shape, sharding))
             else:
                 if slot.path not in blocks:
                     box = local_box(leaf.shape, sharding)
