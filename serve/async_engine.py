@@ -4,6 +4,11 @@ an asyncio queue. The HTTP server and the in-process session replay both drive t
 
 The Engine is not thread-safe, so every call into it (submit, step, cancel) happens on the engine
 thread: callers post commands and await their answer.
+
+Over several processes (one mesh, one SPMD program) process 0 runs the AsyncEngine with
+`followers`: before each step it sends the submissions and cancellations it applied since the
+last one, and every other process runs `follow`, which applies them to its own Engine in the same
+order and steps with it, so that all engines take the same decisions.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import threading
 import traceback
 
 from .engine import Engine, Request, SamplingParams
+
+STOP = {"ops": [], "stop": True}
 
 log = logging.getLogger("kimik3.serve")
 
@@ -57,11 +64,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_waiting: int = 256):
-        """max_waiting: submissions beyond this many queued (not yet running) requests raise QueueFull."""
+    def __init__(self, engine: Engine, max_waiting: int = 256, followers=None):
+        """max_waiting: submissions beyond this many queued (not yet running) requests raise
+        QueueFull. followers: a sharding.distributed.Messages on process 0 of a multi-process
+        run (the other processes `follow` it)."""
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
-        self.engine, self.max_waiting = engine, max_waiting
+        self.engine, self.max_waiting, self.followers = engine, max_waiting, followers
+        self._ops: list = []  # what the followers must apply before the next step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._consumers: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -108,6 +118,9 @@ class AsyncEngine:
             if not eng.has_work():
                 self._wake.wait()
                 continue
+            if self.followers is not None:
+                self.followers.send({"ops": self._ops, "stop": False})
+                self._ops = []
             try:
                 events = eng.step()
                 self.steps += 1
@@ -115,10 +128,12 @@ class AsyncEngine:
                 self.failed_steps += 1
                 reason = "error: engine step failed: " + traceback.format_exc(limit=1).strip().splitlines()[-1]
                 log.exception("engine step failed; failing the requests in flight")
-                events = self._fail_all(reason)
+                events = _fail_all(eng, reason)
             for req, tokens in events:
                 self._deliver(req, tokens)
             eng.done.clear()  # finished requests were delivered; a server must not keep them all
+        if self.followers is not None:
+            self.followers.send(STOP)
 
     def _drain(self):
         while True:
@@ -137,20 +152,14 @@ class AsyncEngine:
                     answer.set_exception(e)
                     continue
                 self._consumers[id(req)] = (loop, deltas)
+                self._ops.append(["submit", req.id, [int(t) for t in req.prompt], dataclasses.asdict(req.params)])
                 answer.set_result(req)
             elif command[0] == "cancel":
                 req = command[1]
                 if self.engine.abort(req):
                     self.cancelled += 1
+                    self._ops.append(["cancel", req.id])
                     self._deliver(req, [])
-
-    def _fail_all(self, reason: str) -> list:
-        eng = self.engine
-        victims = list(eng.waiting) + [r for r in eng.slots if r is not None]
-        for req in victims:
-            eng.abort(req)
-            req.finish_reason = reason
-        return [(req, []) for req in victims]
 
     def _deliver(self, req: Request, tokens: list[int]):
         finished = req.finished is not None
@@ -163,3 +172,38 @@ class AsyncEngine:
             loop.call_soon_threadsafe(deltas.put_nowait, delta)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening
             pass
+
+
+def _fail_all(eng: Engine, reason: str) -> list:
+    """Abort every request in flight after a failed step; their (request, no tokens) events."""
+    victims = list(eng.waiting) + [r for r in eng.slots if r is not None]
+    for req in victims:
+        eng.abort(req)
+        req.finish_reason = reason
+    return [(req, []) for req in victims]
+
+
+def follow(engine: Engine, leader) -> None:
+    """A process other than 0 of a multi-process server: apply process 0's submissions and
+    cancellations (received from `leader`, a sharding.distributed.Messages) to `engine` and step
+    it with process 0's engine, until process 0 stops."""
+    requests: dict = {}
+    while True:
+        message = leader.receive()
+        for op in message["ops"]:
+            if op[0] == "submit":
+                _, rid, prompt, params = op
+                fields = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+                requests[rid] = engine.submit(prompt, SamplingParams(**fields), request_id=rid)
+            else:
+                engine.abort(requests.pop(op[1]))
+        if message["stop"]:
+            return
+        try:
+            engine.step()
+        except Exception:  # as process 0 does: the same step failed there
+            log.exception("engine step failed; failing the requests in flight")
+            _fail_all(engine, "error")
+        for req in engine.done:
+            requests.pop(req.id, None)
+        engine.done.clear()

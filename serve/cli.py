@@ -169,8 +169,12 @@ def start_processes(args) -> bool:
     --process-id or the environment) before anything uses a device; False for one process."""
     import sharding
 
-    return sharding.initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
-                                           getattr(args, "process_id", None))
+    joined = sharding.initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+                                             getattr(args, "process_id", None))
+    if joined and getattr(args, "speculative", None) and getattr(args, "num_speculative_tokens", None) == "auto":
+        raise UsageError("--num-speculative-tokens auto picks depths by timing, which differs between processes: "
+                         "give a depth (1..7) for a multi-process run")
+    return joined
 
 
 def make_mesh(args):
@@ -289,9 +293,7 @@ def _batch(args) -> int:
     kind = check_model_flags(args)
     if args.page_size % args.dcp:
         raise UsageError(f"--page-size {args.page_size} must be a multiple of the DCP size {args.dcp} (--dcp)")
-    if start_processes(args) and args.speculative and args.num_speculative_tokens == "auto":
-        raise UsageError("--num-speculative-tokens auto picks depths by timing, which differs between processes: "
-                         "give a depth (1..7) for a multi-process run")
+    start_processes(args)
     import sharding
 
     error = sharding.broadcast_json(_batch_path_error(args) if sharding.is_primary() else None)

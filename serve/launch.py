@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from .cli import speculative_depth
+from .cli import UsageError, add_process_flags, speculative_depth
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None = "tiny"):
@@ -69,6 +69,7 @@ def add_parser(subparsers):
                    help="the model name clients send (default: the preset's name or the checkpoint directory's)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may queue for a decode slot; beyond it the server answers 503")
+    add_process_flags(p)  # process 0 serves HTTP; the others step their engines with it
     p.set_defaults(run=_serve)
     return p
 
@@ -83,10 +84,19 @@ def _serve(args) -> int:
         print(f"kimik3 serve needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"",
               file=sys.stderr)
         return 2
+    from sharding.distributed import Messages, is_primary
+
+    from .async_engine import follow
+    from .cli import start_processes
     try:
+        several = start_processes(args)
         factory, tokenizer, name, devices = engine_factory(args)
-        aengine = AsyncEngine(factory(), max_waiting=args.max_waiting)
-    except (ValueError, FileNotFoundError) as e:
+        if not is_primary():  # every step's inputs come from process 0
+            print(f"kimik3 serve: following process 0 on {devices} device(s)", file=sys.stderr)
+            follow(factory(), Messages("serve"))
+            return 0
+        aengine = AsyncEngine(factory(), max_waiting=args.max_waiting, followers=Messages("serve") if several else None)
+    except (ValueError, FileNotFoundError, UsageError) as e:
         print(f"kimik3: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or name

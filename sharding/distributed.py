@@ -4,10 +4,13 @@ mesh spans every process's devices and every jitted call runs as one SPMD progra
 `initialize_distributed` is a thin layer over `jax.distributed.initialize` that turns the ways a
 start-up goes wrong into one line on every process instead of an abort or a hang: a coordinator
 that cannot be reached, processes that disagree on how many they are, a process that never joins.
-`host_value` reads an array back to numpy on every process, however it is sharded.
+`host_value` reads an array back to numpy on every process, however it is sharded;
+`broadcast_json` sends process 0's value to all once, `Messages` a stream of them (a server's
+step inputs).
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -193,8 +196,6 @@ def broadcast_json(value):
     The others pass anything (it is ignored)."""
     if jax.process_count() == 1:
         return value
-    import json
-
     from jax.experimental import multihost_utils
 
     data = json.dumps(value).encode() if is_primary() else b""
@@ -203,3 +204,37 @@ def broadcast_json(value):
     if is_primary():
         buf[:] = np.frombuffer(data, np.uint8)
     return json.loads(bytes(multihost_utils.broadcast_one_to_all(buf)).decode())
+
+
+class Messages:
+    """Process 0 `send`s JSON values, every other process `receive`s them in the same order:
+    through the coordinator's key-value store, so no device program runs (nothing compiles, any
+    length) and a receiver may wait as long as process 0 has nothing to say. Each receiver
+    deletes its copy once read."""
+
+    def __init__(self, name: str, poll_s: float = 60.0):
+        from jax._src import distributed as dist
+
+        self.client, self.name, self.n, self.poll_ms = dist.global_state.client, name, 0, int(poll_s * 1000)
+
+    def _key(self, pid: int) -> str:
+        return f"kimik3/{self.name}/{pid}/{self.n}"
+
+    def send(self, value) -> None:
+        data = json.dumps(value)
+        for pid in range(1, jax.process_count()):
+            self.client.key_value_set(self._key(pid), data)
+        self.n += 1
+
+    def receive(self):
+        key = self._key(jax.process_index())
+        while True:
+            try:
+                data = self.client.blocking_key_value_get(key, self.poll_ms)
+                break
+            except Exception as e:  # the runtime's error type; only a deadline means "nothing yet"
+                if "DEADLINE_EXCEEDED" not in str(e).upper():
+                    raise
+        self.client.key_value_delete(key)
+        self.n += 1
+        return json.loads(data)

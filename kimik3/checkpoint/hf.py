@@ -1,15 +1,17 @@
 """Load an HF checkpoint directory (config.json + safetensors shards, official Kimi Linear / K3
 key names) into our parameter tree, tensor by tensor.
 
-Each tensor is memory-mapped, transformed (HF stores Linear weights [out, in]; we store [in, out]),
-and placed straight into its (possibly sharded) device array; per-expert tensors are written into
-their row of the stacked expert array with a donated update, so host memory stays near one tensor.
-Anything that does not fit (missing, unknown, wrong shape, truncated file) is an error naming the
-tensor and file, never a silent partial model.
+Each process reads only the box of each tensor that its devices own (`local_box`: all of it on
+one process, its rows / columns / experts on one of several), transforms it (HF stores Linear
+weights [out, in]; we store [in, out]) and places it on its devices; per-expert tensors go into
+this process's block of the stacked expert array, placed once the block is complete (experts it
+does not own are not read). Host memory stays near one tensor, or this process's share of one
+stacked expert array; nothing gathers the model on one host. Anything that does not fit (missing,
+unknown, wrong shape, truncated file) is an error naming the tensor and file, never a silent
+partial model.
 """
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import os
@@ -49,6 +51,12 @@ def _flat(a):
 
 def _squeeze_mid(a):
     return a.reshape(a.shape[0], a.shape[-1])
+
+
+# Our box of a tensor -> the box of the HF tensor it comes from, per transform (a transform not
+# here reads the whole HF tensor and cuts our box out of the result).
+HF_BOX = {_T: lambda box: box[::-1], _ident: lambda box: box,
+          _flat: lambda box: (slice(0, 1), *box), _squeeze_mid: lambda box: (box[0], slice(0, 1), box[1])}
 
 
 def _first(n):
@@ -155,9 +163,32 @@ def _set(tree, path, value):
     tree[path[-1]] = value
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_row(stack, row, index):
-    return jax.lax.dynamic_update_index_in_dim(stack, row.astype(stack.dtype), index, 0)
+def local_box(shape, sharding) -> tuple:
+    """The part of a `shape` array that this process's devices hold, as one slice per dimension
+    (the bounding box of their shards): all of it without a sharding or on one process."""
+    if sharding is None:
+        return tuple(slice(0, n) for n in shape)
+    ranges = [[ix[d].indices(n)[:2] for ix in sharding.addressable_devices_indices_map(shape).values()]
+              for d, n in enumerate(shape)]
+    return tuple(slice(min(a for a, _ in r), max(b for _, b in r)) for r in ranges)
+
+
+def place(block: np.ndarray, box: tuple, shape, sharding):
+    """The global array of `shape` whose `box` (this process's part, `local_box`) is `block`."""
+    if sharding is None:
+        return jax.device_put(block)
+    def shard(index):
+        return block[tuple(slice(s.indices(n)[0] - b.start, s.indices(n)[1] - b.start)
+                           for s, b, n in zip(index, box, shape))]
+    return jax.make_array_from_callback(tuple(shape), sharding, shard)
+
+
+def read_slot(f: SafetensorsFile, file_key: str, slot: Slot, box: tuple) -> np.ndarray:
+    """Our `box` of the tensor (for a stacked expert: of its row), read and transformed."""
+    to_hf = HF_BOX.get(slot.transform)
+    if to_hf is None:
+        return slot.transform(f.read(file_key))[box]
+    return slot.transform(f.read(file_key, to_hf(box)))
 
 
 def shard_files(path: str) -> list[str]:
@@ -189,6 +220,13 @@ def auto_mxfp4_layout(cfg: Config) -> str:
     ok = (cfg.expert_format == "mxfp4" and cfg.dtype == "bfloat16" and cfg.expert_in_dim % 16 == 0
           and kernel_platform() == "cuda")
     return "paired" if ok else "k3"
+
+
+def _read(f: SafetensorsFile, file_key: str, key: str, slot: Slot, box: tuple) -> np.ndarray:
+    try:
+        return read_slot(f, file_key, slot, box)
+    except CheckpointError as e:
+        raise CheckpointError(f"{f.path}: tensor {key!r} {e}") from None
 
 
 def load_hf(path: str, mesh=None, dtype=None, mxfp4_layout: str = "auto") -> Model:
@@ -235,6 +273,7 @@ def load_hf(path: str, mesh=None, dtype=None, mxfp4_layout: str = "auto") -> Mod
 
     params: dict = {}
     seen: set[str] = set()
+    blocks: dict = {}  # stacked expert leaf -> [this process's block, its box, rows still to come]
     skipped = 0
     for f in files:
         for file_key in f.keys():
@@ -254,21 +293,24 @@ def load_hf(path: str, mesh=None, dtype=None, mxfp4_layout: str = "auto") -> Mod
             if slot.hf_shape is not None and f.shape(file_key) != tuple(slot.hf_shape):
                 raise CheckpointError(f"{f.path}: tensor {file_key!r} has shape {list(f.shape(file_key))}, but "
                                       f"config.json implies {list(slot.hf_shape)}")
-            try:
-                arr = slot.transform(f.get(file_key))
-            except CheckpointError as e:
-                raise CheckpointError(f"{f.path}: tensor {key!r} {e}") from None
             if leaf.dtype == jnp.uint8 and f.dtype(file_key) != np.uint8:
                 raise CheckpointError(f"{f.path}: tensor {file_key!r} is {f.dtype(file_key)}, MXFP4 data must be uint8")
             sharding = _get(shardings, slot.path)
             if slot.index is None:
-                _set(params, slot.path, jax.device_put(np.asarray(arr).astype(leaf.dtype), sharding))
+                box = local_box(leaf.shape, sharding)
+                block = _read(f, file_key, key, slot, box).astype(leaf.dtype, copy=False)
+                _set(params, slot.path, place(block, box, leaf.shape, sharding))
             else:
-                try:
-                    stack = _get(params, slot.path)
-                except KeyError:
-                    stack = jnp.zeros(leaf.shape, leaf.dtype, device=sharding)
-                _set(params, slot.path, _set_row(stack, jnp.asarray(np.asarray(arr)), slot.index))
+                if slot.path not in blocks:
+                    box = local_box(leaf.shape, sharding)
+                    blocks[slot.path] = [np.empty([b.stop - b.start for b in box], leaf.dtype), box, leaf.shape[0]]
+                block, box, left = blocks[slot.path]
+                if box[0].start <= slot.index < box[0].stop:  # an expert this process's devices hold
+                    block[slot.index - box[0].start] = _read(f, file_key, key, slot, box[1:])
+                blocks[slot.path][2] = left - 1
+                if left == 1:  # every row seen: place this leaf
+                    _set(params, slot.path, place(block, box, leaf.shape, sharding))
+                    del blocks[slot.path]
             seen.add(key)
         f.close()
     missing = [k for k in mapping if k not in seen]

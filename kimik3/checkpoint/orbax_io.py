@@ -29,10 +29,14 @@ def is_orbax_dir(path: str) -> bool:
 
 def save(model: Model, path: str, overwrite: bool = False):
     """Write `model` to `path`: params with Orbax, config as JSON. `path` must not exist, unless
-    overwrite=True, which replaces an earlier kimik3.save directory (nothing else is deleted)."""
+    overwrite=True, which replaces an earlier kimik3.save directory (nothing else is deleted).
+    Over several processes every process calls it with the same `path` on a file system they all
+    see: each writes the shards its devices hold, process 0 the metadata and the config."""
     import orbax.checkpoint as ocp
+    from orbax.checkpoint import multihost
 
     path = os.path.abspath(path)
+    primary = jax.process_index() == 0
     if os.path.lexists(path):
         if not overwrite:
             raise FileExistsError(f"{path} already exists; choose a new directory, or pass overwrite=True "
@@ -40,11 +44,16 @@ def save(model: Model, path: str, overwrite: bool = False):
         if not (os.path.isdir(path) and (is_orbax_dir(path) or not os.listdir(path))):
             raise FileExistsError(f"{path} exists and is not a kimik3.save directory; overwrite=True only "
                                   "replaces those: choose another path")
-        shutil.rmtree(path)
+        multihost.sync_global_processes("kimik3_save_checked")  # every process has looked before any deletes
+        if primary:
+            shutil.rmtree(path)
+    multihost.sync_global_processes("kimik3_save_start")
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(os.path.join(path, "params"), model.params)
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(dataclasses.asdict(model.cfg), f, indent=1)
+    if primary:
+        with open(os.path.join(path, CONFIG_FILE), "w") as f:
+            json.dump(dataclasses.asdict(model.cfg), f, indent=1)
+    multihost.sync_global_processes("kimik3_save_done")  # no process goes on before the directory is whole
 
 
 def read_config(path: str) -> Config:
@@ -122,7 +131,8 @@ def _read_failure(params: str, e: BaseException) -> CheckpointError:
 
 
 def load_orbax(path: str, mesh=None, dtype=None) -> Model:
-    """Restore; with a mesh every shard is read straight onto its device. dtype (None: as saved)
+    """Restore; with a mesh every shard is read straight onto its device (over several processes
+    each reads the shards its devices hold). dtype (None: as saved)
     casts the weights while reading, as `load_hf(dtype=...)` does."""
     import orbax.checkpoint as ocp
 
@@ -139,7 +149,9 @@ def load_orbax(path: str, mesh=None, dtype=None) -> Model:
     if mesh is not None:
         from sharding import param_shardings
         shardings = param_shardings(target, cfg, mesh)
-        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
+    else:  # one device, whatever devices (or processes) saved it
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), target)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
     with ocp.StandardCheckpointer() as ckpt:
         _check_shapes(params_dir, target, ckpt)
         try:

@@ -1,11 +1,14 @@
 """A small safetensors reader/writer over numpy memmaps.
 
-Reading maps the file and returns views, so loading streams tensor by tensor without holding a
-whole shard; bf16 comes back as ml_dtypes.bfloat16. Every structural problem (bad header, offsets
+`get` maps the file and returns a view; `read(name, box)` reads only a box of a tensor (the rows
+and columns a process's devices own) with one positioned read per contiguous run of it, so that a
+process of a multi-process load reads its share of the file and no more; bf16 comes back as
+ml_dtypes.bfloat16. Every structural problem (bad header, offsets
 past the end of a truncated file, unknown dtype) raises CheckpointError naming the file and tensor.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -55,6 +58,11 @@ class SafetensorsFile:
                 raise CheckpointError(f"{path}: tensor {name} spans {end - begin} bytes, its shape "
                                       f"{info['shape']} x {info['dtype']} needs {want}")
         self._mm = None
+        self._fd = None
+
+    def data_bytes(self) -> int:
+        """The bytes of all its tensors (the file less its header)."""
+        return sum(e - b for b, e in (info["data_offsets"] for info in self.header.values()))
 
     def keys(self):
         return list(self.header)
@@ -73,8 +81,47 @@ class SafetensorsFile:
         raw = self._mm[self.data_start + begin:self.data_start + end]
         return raw.view(DTYPES[info["dtype"]]).reshape(info["shape"])
 
+    def read(self, name, box=None) -> np.ndarray:
+        """The tensor's `box` (a tuple of step-1 slices, one per dimension; None: all of it) as a
+        new array, read from the file run by run: the box's C-order runs are contiguous in the
+        file, one per index of the dimensions before the last one it cuts."""
+        info, dtype = self.header[name], DTYPES[self.header[name]["dtype"]]
+        shape = tuple(info["shape"])
+        ranges = [(0, n) if box is None else box[d].indices(n)[:2] for d, n in enumerate(shape)]
+        out = np.empty([max(0, b - a) for a, b in ranges], dtype)
+        if out.size == 0:
+            return out
+        cut = max((d for d, (a, b) in enumerate(ranges) if (a, b) != (0, shape[d])), default=0)
+        strides = [math.prod(shape[d + 1:]) * out.itemsize for d in range(len(shape))]
+        run = (ranges[cut][1] - ranges[cut][0]) * strides[cut] if shape else out.itemsize
+        base = self.data_start + info["data_offsets"][0] + (ranges[cut][0] * strides[cut] if shape else 0)
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        for i, index in enumerate(itertools.product(*(range(a, b) for a, b in ranges[:cut]))):
+            self.read_at(base + sum(j * st for j, st in zip(index, strides)), buf[i * run:(i + 1) * run])
+        return out
+
+    def read_at(self, offset: int, buf: memoryview) -> None:
+        """Fill `buf` with the file's bytes from `offset` (every tensor byte `read` takes comes
+        through here)."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self._fd, [buf[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: ends at byte {offset + done} while reading a tensor "
+                                      "(truncated while loading?)")
+            done += n
+
     def close(self):
         self._mm = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self):  # a load that stopped at an error closes its files too
+        if getattr(self, "_fd", None) is not None:
+            self.close()
 
 
 def write_safetensors(path: str, tensors: dict, metadata: dict | None = None):

@@ -271,3 +271,27 @@ def test_load_dtype_takes_jax_and_numpy_dtypes_for_both_kinds(tiny_models, expor
         with pytest.raises(ValueError, match="dtype='int8' is not a supported dtype") as e:
             kimik3.load(path, dtype="int8")
         assert len(str(e.value).splitlines()) == 1
+
+
+def test_reading_a_box_reads_only_its_bytes(tmp_path):
+    """SafetensorsFile.read(name, box) equals numpy's slice for any box and reads exactly its
+    bytes (one read per contiguous run), what a process of a multi-process load relies on."""
+    import ml_dtypes
+
+    rng = np.random.RandomState(0)
+    tensors = {"a": rng.randn(6, 5, 7).astype(np.float32), "b": rng.randn(9).astype(ml_dtypes.bfloat16)}
+    write_safetensors(str(tmp_path / "x.safetensors"), tensors)
+    f = SafetensorsFile(str(tmp_path / "x.safetensors"))
+    reads = []
+    read_at = f.read_at
+    f.read_at = lambda offset, buf: (reads.append(len(buf)), read_at(offset, buf))
+    for name, arr in tensors.items():
+        assert np.array_equal(f.read(name), arr) and reads == [arr.nbytes]
+        reads.clear()
+    for _ in range(100):
+        box = tuple(slice(a, rng.randint(a, n + 1)) for n in tensors["a"].shape for a in [rng.randint(0, n)])
+        got = f.read("a", box)
+        assert np.array_equal(got, tensors["a"][box]) and sum(reads) == got.nbytes, box
+        reads.clear()
+    assert f.read("a", (slice(1, 3), slice(0, 5), slice(0, 7))).shape == (2, 5, 7) and len(reads) == 1  # whole rows
+    f.close()

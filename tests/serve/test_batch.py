@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 from tests import paths
+from tests.sharding.processes import cpu_env, finish, free_port, process_flags
 
 ROOT = str(paths.ROOT)
 
@@ -169,3 +170,45 @@ def test_progress_bar_shows_requests_tokens_per_s_and_errors(tmp_path, tiny_mode
     _run_in_process(tmp_path, tiny_models["tiny"], lines, name="bar", progress=True)
     err = capsys.readouterr().err
     assert "3/3 requests" in err and "tok/s, 1 errors" in err and "[00:" in err
+
+
+def test_two_processes_kill_and_resume(tmp_path, tiny_models):
+    """`kimik3 batch` over 2 processes x 4 CPU devices (one TP8 mesh; process 0 reads the input
+    and writes the output): SIGKILL both mid-run, add a torn line, rerun both: every id once, and
+    the greedy tokens of one process on one device."""
+    import kimik3
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts, lengths = [list(range(1, 4 + 5 * i)) for i in range(8)], [2 + i for i in range(8)]
+    with open(inp, "w") as f:
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            f.write(json.dumps({"id": i, "prompt": p, "max_new_tokens": n}) + "\n")
+        f.write("{not json\n")
+
+    def two_processes():
+        port = free_port()
+        return [subprocess.Popen(_cmd(inp, out) + ["--tensor", "8"] + process_flags(pid, 2, port), env=cpu_env(4),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for pid in range(2)]
+
+    procs = two_processes()
+    deadline = time.time() + 400
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if out.exists() and out.read_text().count("\n") >= 3:  # the bad line's record and 2 results
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    finish(procs, 60)
+    partial = out.read_text().count("\n")
+    assert 2 < partial < 9, partial  # it really died mid-run
+    with open(out, "a") as f:
+        f.write('{"id": 3, "tok')  # a half-written line, as a kill during write leaves it
+    (rc0, err0), (rc1, err1) = finish(two_processes(), 400)
+    assert rc0 == rc1 == 0, err0[-2000:] + err1[-2000:]
+    assert f"{partial} already done" in err0
+    got = {_rkey(r): r for r in _records(out)}
+    assert len(got) == len(_records(out)) == 9  # each id exactly once
+    assert "not JSON" in got["[null, 9]"]["error"]
+    # greedy continuations are prefixes of longer ones: one call gives every request's tokens
+    want = kimik3.generate(tiny_models["tiny"], prompts, max_new_tokens=max(lengths))
+    assert [got[f"[{i}, null]"]["tokens"] for i in range(8)] == [w[:n] for w, n in zip(want, lengths)]

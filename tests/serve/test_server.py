@@ -1,6 +1,9 @@
 """The OpenAI-compatible server, driven by the official `openai` client: outputs equal the engine's,
 every error is an OpenAI-style JSON error, a disconnect frees the request's pages."""
 import asyncio
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -13,6 +16,7 @@ from kimik3.tokenizer import ByteTokenizer
 from serve import Engine
 from serve.async_engine import AsyncEngine
 from serve.server import ServerThread, TextStream, build_app
+from tests.sharding.processes import cpu_env, finish, free_port, process_flags
 
 ENGINE_SHAPE = dict(max_batch=4, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=2)
 
@@ -270,3 +274,52 @@ def test_a_failing_engine_step_fails_its_requests_not_the_server(served):
     assert httpx.get(server.url + "/health").json()["failed_steps"] == 1
     _wait_idle(aengine)
     engine.check_pages()
+
+
+def test_two_processes_serve_one_mesh(model):
+    """`kimik3 serve` over 2 processes x 4 CPU devices (TP8): process 0 answers HTTP, process 1
+    steps its engine with process 0's submissions and cancellations. Concurrent greedy requests,
+    one cancelled by a client disconnect mid-stream and one sent after it, get the one-device
+    tokens; SIGINT to process 0 ends both cleanly."""
+    port, http = free_port(), free_port()
+    cmd = [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--tensor", "8", "--port", str(http),
+           "--max-batch", "4", "--max-seq-len", "64", "--page-size", "8", "--prefill-chunk", "32",
+           "--decode-steps", "4"]  # test_batch's 2-process engine: its programs are in the compilation cache
+    procs = [subprocess.Popen(cmd + process_flags(pid, 2, port), env=cpu_env(4), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for pid in range(2)]
+    url = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        prompts, lengths = _prompts(3, 1), [3, 6, 9]
+
+        async def complete(client, prompt, n):
+            r = await client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                                extra_body={"return_token_ids": True})
+            return r.choices[0].model_extra["token_ids"]
+
+        async def cancelled(client):
+            stream = await client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=40, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            async for _ in stream:
+                break  # the request runs; closing the stream cancels it
+            await stream.close()
+
+        async def run():
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+                got = await asyncio.gather(*(complete(c, p, n) for p, n in zip(prompts, lengths)), cancelled(c))
+                return got[:3] + [await complete(c, prompts[0], 4)]
+
+        got = asyncio.run(run())
+    finally:
+        procs[0].send_signal(signal.SIGINT)
+        status = finish(procs, 120)
+    want = [kimik3.generate(model, [p], max_new_tokens=n)[0] for p, n in zip(prompts + prompts[:1], lengths + [4])]
+    assert got == want
+    for pid, (rc, err) in enumerate(status):
+        assert rc == 0, f"process {pid} exited {rc}: {err[-2000:]}"

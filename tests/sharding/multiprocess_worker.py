@@ -7,7 +7,7 @@ and runs `CASES` (prefill logits and greedy tokens); process 0 writes them to --
     python tests/multiprocess_worker.py --coordinator 127.0.0.1:PORT --num-processes 2 --process-id I \
         --params P.npz --out F.npz
 (with XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu); --join-only stops
-after joining (the start-up error tests).
+after joining (the start-up error tests); --load HF_DIR --orbax-out DIR runs `load_cases` instead.
 """
 from __future__ import annotations
 
@@ -88,6 +88,74 @@ def run_cases(model, cases=CASES) -> dict:
     return out
 
 
+LOAD_CASES = {"tp8": dict(tensor=8), "tp4_ep2": dict(tensor=4, expert=2)}
+
+
+def load_config():
+    """`config` with experts that outweigh the embeddings, as in a real MoE checkpoint (loading
+    compiles nothing: the size costs the test no time)."""
+    return config().replace(num_experts=32, moe_intermediate_size=256)
+
+
+def count_reads():
+    """A list whose [0] counts the tensor bytes every SafetensorsFile reads from here on (all
+    tensor data goes through `read_at`)."""
+    from kimik3.checkpoint.safetensors_io import SafetensorsFile
+
+    count, read_at = [0], SafetensorsFile.read_at
+
+    def counting(self, offset, buf):
+        count[0] += len(buf)
+        return read_at(self, offset, buf)
+    SafetensorsFile.read_at = counting
+    return count
+
+
+def check_shards(model, ref) -> int:
+    """How many of this process's shards differ from the same rows of `ref` (save_params's npz)."""
+    import jax
+    import numpy as np
+
+    bad = 0
+    for k, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]:
+        want = ref[jax.tree_util.keystr(k)]
+        bad += sum(not np.array_equal(np.asarray(s.data), want[s.index]) for s in leaf.addressable_shards)
+    return bad
+
+
+def owned_bytes(model) -> int:
+    """The bytes of every leaf's part that this process's devices hold (`local_box`)."""
+    import math
+
+    import jax
+
+    from kimik3.checkpoint.hf import local_box
+
+    return sum(math.prod(b.stop - b.start for b in local_box(x.shape, x.sharding)) * x.dtype.itemsize
+               for x in jax.tree.leaves(model.params))
+
+
+def load_cases(hf_dir, params_path, orbax_dir) -> dict:
+    """Load the HF checkpoint `hf_dir` onto each LOAD_CASES mesh, counting the bytes this process
+    reads; save the last as Orbax to `orbax_dir` (every process) and restore it onto the first
+    mesh. Every loaded shard is compared with the weights in `params_path`."""
+    import numpy as np
+
+    import kimik3
+    import sharding
+
+    count, out, ref = count_reads(), {}, dict(np.load(params_path))
+    for name, axes in LOAD_CASES.items():
+        count[0] = 0
+        model = kimik3.load(hf_dir, mesh=sharding.make_mesh(**axes))
+        out.update({f"{name}/bytes_read": count[0], f"{name}/owned": owned_bytes(model),
+                    f"{name}/mismatches": check_shards(model, ref)})
+    kimik3.save(model, orbax_dir)
+    restored = kimik3.load(orbax_dir, mesh=sharding.make_mesh(**LOAD_CASES["tp8"]))
+    out["orbax/mismatches"] = check_shards(restored, ref)
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
 def mesh_errors() -> dict:
     """The one-line error a mesh that does not use every device gives (no program is compiled)."""
     import numpy as np
@@ -110,6 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--params")
     p.add_argument("--out")
     p.add_argument("--join-only", action="store_true")
+    p.add_argument("--load", metavar="HF_DIR", help="load this checkpoint (load_cases) instead of running CASES; "
+                   "--out gets the process id before its suffix (each process writes its own counts)")
+    p.add_argument("--orbax-out", metavar="DIR", help="with --load: where the processes save the model")
     args = p.parse_args(argv)
 
     import kimik3  # noqa: F401  (its XLA:CPU workarounds must be in place before JAX starts)
@@ -129,6 +200,10 @@ def main(argv=None) -> int:
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
     import numpy as np
 
+    if args.load:
+        np.savez(args.out.replace(".npz", f"{jax.process_index()}.npz"),
+                 **load_cases(args.load, args.params, args.orbax_out))
+        return 0
     model = load_params(config(), args.params)  # the same weights in every process
     results = {**run_cases(model), **mesh_errors()}
     if sharding.is_primary():

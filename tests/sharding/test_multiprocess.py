@@ -1,59 +1,54 @@
 """One mesh over two processes (jax.distributed, CPU collectives over gloo): two worker processes
 of 4 fake CPU devices each (tests/sharding/multiprocess_worker.py) run TP8, TP4 x DCP2 and TP4 x EP2 as one
 SPMD program; their prefill logits and greedy tokens must equal this process's 8-device run of the
-same `run_cases` on the same weights (tests/test_dcp.py ties 8 devices to one). Start-up errors (unreachable coordinator, mismatched process counts, a process
-that never joins, a mesh that does not use every device) give one line and no hang: every
-subprocess has a deadline."""
+same `run_cases` on the same weights (tests/test_dcp.py ties 8 devices to one). Loading an HF
+checkpoint onto a 2-process mesh reads on each process only the bytes its devices hold (counted),
+and Orbax saves and restores the model over both. Start-up errors (unreachable coordinator,
+mismatched process counts, a process that never joins, a mesh that does not use every device)
+give one line and no hang: every subprocess has a deadline."""
 from __future__ import annotations
 
-import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 
 import kimik3
 import sharding
+from kimik3.checkpoint.hf import shard_files
+from kimik3.checkpoint.hf_export import export_hf
+from kimik3.checkpoint.safetensors_io import SafetensorsFile
 
-from tests import paths
 from tests.sharding import multiprocess_worker as worker
+from tests.sharding.processes import cpu_env, finish, free_port, process_flags
 
 HERE = pathlib.Path(__file__).resolve().parent
 
 RUN_TIMEOUT_S = 600  # each process compiles three meshes' programs, on shared CPU cores
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(pid: int, n: int, port: int, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONPATH=os.pathsep.join([str(paths.ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, str(HERE / "multiprocess_worker.py"), "--coordinator", f"127.0.0.1:{port}",
-           "--num-processes", str(n), "--process-id", str(pid), *extra]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, str(HERE / "multiprocess_worker.py"), *process_flags(pid, n, port), *extra]
+    return subprocess.Popen(cmd, env=cpu_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish(procs, timeout_s: float) -> list[tuple[int, str]]:
-    """(exit status, stderr) of each process; any still running at the deadline is killed and
-    fails the test (a hang must never block the suite)."""
-    deadline, out = time.monotonic() + timeout_s, []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"a worker process was still running after {timeout_s:.0f} s (hang)")
-        out.append((p.returncode, err))
-    return out
+def run_two_workers(meanwhile, *flags: str):
+    """Run two workers with `flags`, and `meanwhile()` here while they run; its result once both
+    exited 0."""
+    port = free_port()
+    procs = [start(pid, 2, port, *flags) for pid in range(2)]
+    try:
+        local = meanwhile()
+    finally:
+        status = finish(procs, RUN_TIMEOUT_S)
+    for pid, (rc, err) in enumerate(status):
+        assert rc == 0, f"process {pid} exited {rc}: {err[-3000:]}"
+    return local
 
 
 def kimik3_lines(err: str) -> list[str]:
@@ -67,15 +62,8 @@ def two_process_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mp")
     model = kimik3.init(worker.config(), seed=0)
     worker.save_params(model, tmp / "params.npz")
-    port = free_port()
-    procs = [start(pid, 2, port, "--params", str(tmp / "params.npz"), "--out", str(tmp / "out.npz"))
-             for pid in range(2)]
-    try:
-        local = worker.run_cases(model)
-    finally:
-        status = finish(procs, RUN_TIMEOUT_S)
-    for pid, (rc, err) in enumerate(status):
-        assert rc == 0, f"process {pid} exited {rc}: {err[-3000:]}"
+    local = run_two_workers(lambda: worker.run_cases(model), "--params", str(tmp / "params.npz"),
+                            "--out", str(tmp / "out.npz"))
     with np.load(tmp / "out.npz") as f:
         return dict(f), local
 
@@ -102,6 +90,56 @@ def test_slow_axes_cross_processes(two_process_run):
 def test_mesh_that_does_not_use_every_device(two_process_run):
     got, _ = two_process_run
     assert "uses 3 devices, but the 2 processes hold 8" in str(got["error/mesh"])
+
+
+@pytest.fixture(scope="module")
+def two_process_load(tmp_path_factory):
+    """An HF checkpoint of the worker's model loaded by two processes onto each worker.LOAD_CASES
+    mesh (each counting the bytes it reads), saved by both as Orbax and restored (process i's
+    results in [i]); this process loads the same checkpoint onto one device meanwhile."""
+    tmp = tmp_path_factory.mktemp("load")
+    model = kimik3.init(worker.load_config(), seed=1)
+    worker.save_params(model, tmp / "params.npz")
+    hf = export_hf(model, str(tmp / "hf"), num_shards=2)
+    single = run_two_workers(lambda: kimik3.load(hf), "--load", hf, "--params", str(tmp / "params.npz"),
+                             "--out", str(tmp / "load.npz"), "--orbax-out", str(tmp / "orbax"))
+    got = []
+    for pid in range(2):
+        with np.load(tmp / f"load{pid}.npz") as f:
+            got.append({k: int(v) for k, v in f.items()})
+    return SimpleNamespace(model=model, single=single, got=got, hf=hf, orbax=str(tmp / "orbax"),
+                           total=sum(SafetensorsFile(p).data_bytes() for p in shard_files(hf)))
+
+
+@pytest.mark.parametrize("case", list(worker.LOAD_CASES))
+def test_each_process_reads_only_its_share_of_the_checkpoint(two_process_load, case):
+    """Every process reads the bytes its 4 devices hold (the rows / columns of TP8's split
+    tensors, the 4 experts of 8 its EP rank holds, and every replicated tensor), within the
+    few bytes of tensors read whole (the padded A_log: 112 B), never what only the other process
+    holds; what it placed equals the weights, as the one-process load of the same directory does.
+    (Of the files' 1724416 B each process reads 977280 B with tp8, 1306624 B with tp4_ep2.)"""
+    r = two_process_load
+    for pid, got in enumerate(r.got):
+        read, owned = got[f"{case}/bytes_read"], got[f"{case}/owned"]
+        print(f"{case} process {pid}: read {read} B, its devices hold {owned} B, the files hold {r.total} B")
+        assert owned <= read <= owned + 1024 and read < 0.8 * r.total, (read, owned, r.total)
+        assert got[f"{case}/mismatches"] == 0
+    assert_same_params(r.single, r.model)
+
+
+def test_orbax_save_and_restore_over_two_processes(two_process_load):
+    """Both processes wrote their shards (one OCDBT folder each), the directory restores whole in
+    one process and onto the 2-process TP8 mesh, equal to the weights."""
+    r = two_process_load
+    assert r.got[0]["orbax/mismatches"] == r.got[1]["orbax/mismatches"] == 0
+    assert sorted(p.name for p in pathlib.Path(r.orbax, "params").glob("ocdbt.process_*")) == \
+        ["ocdbt.process_0", "ocdbt.process_1"]
+    assert_same_params(kimik3.load(r.orbax), r.model)
+
+
+def assert_same_params(got, want):
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got.params)[0], jax.tree.leaves(want.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
 
 
 def test_host_split():

@@ -1,0 +1,45 @@
+"""Starting and reaping the processes of a multi-process CPU test: a free coordinator port, the
+environment of a process with N fake CPU devices, and a deadline after which every process of a
+run is killed and the test fails (a hang must never block the suite)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+from tests import paths
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(devices: int) -> dict:
+    """This environment for a child process of `devices` fake CPU devices that imports this
+    checkout's packages."""
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                PYTHONPATH=os.pathsep.join([str(paths.ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def process_flags(pid: int, n: int, port: int) -> list[str]:
+    return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(pid)]
+
+
+def finish(procs, timeout_s: float) -> list[tuple[int, str]]:
+    """(exit status, stderr) of each process; any still running at the deadline is killed and
+    fails the test."""
+    deadline, out = time.monotonic() + timeout_s, []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a worker process was still running after {timeout_s:.0f} s (hang)")
+        out.append((p.returncode, err))
+    return out
