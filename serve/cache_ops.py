@@ -23,8 +23,10 @@ def padded_ids(ids, fill: int) -> jnp.ndarray:
 
 
 @jax.jit
+@jax.jit
 def read_state(layers, slot):
-    """The KDA recurrent + conv state of every KDA layer for one slot (a checkpoint)."""
+    """The KDA recurrent + conv state of every KDA layer for one slot (a checkpoint); one device
+    call (indexing each layer's arrays eagerly cost a dispatch per array, every checkpoint)."""
     return tuple({k: v[slot] for k, v in e.items()} for e in layers if not is_mla(e))
 
 
@@ -37,16 +39,17 @@ def write_state(layers, slot, ckpt):
 
 @jax.jit
 def read_pages(layers, ids):
-    """Every MLA layer's latents at page ids [n] -> tuple of [n, page, width]."""
-    return tuple(e["latent"][ids] for e in layers if is_mla(e))
+    """Every MLA layer's latents at page ids [n] -> one array [mla layers, n, page, width] (one
+    array, so a host copy moves in one transfer: each array a transfer costs its own overhead)."""
+    return jnp.stack([e["latent"][ids] for e in layers if is_mla(e)])
 
 
 @functools.partial(jax.jit, donate_argnames=("layers",))
 def write_pages(layers, ids, data):
     """data: one read_pages result per group of ids (ids [groups * n]); ids past the pool are dropped."""
-    merged = [jnp.concatenate(parts) for parts in zip(*data)]
-    it = iter(merged)
-    return tuple({"latent": e["latent"].at[ids].set(next(it), mode="drop")} if is_mla(e) else e for e in layers)
+    merged = iter(jnp.concatenate(data, axis=1))
+    return tuple({"latent": e["latent"].at[ids].set(next(merged), mode="drop")} if is_mla(e) else e
+                 for e in layers)
 
 
 @functools.partial(jax.jit, donate_argnames=("layers",))

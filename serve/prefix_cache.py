@@ -30,6 +30,7 @@ from .host_tier import HostTier
 from .prefix_index import Node, PrefixIndex
 
 CACHE = "prefix-cache"  # allocator owner of the pages the cache holds
+WRITE_GROUPS = 32  # host-restored nodes written per device call
 
 
 @dataclasses.dataclass
@@ -122,12 +123,9 @@ class PrefixCache:
                 self.host.drop(n.host_pages)
                 n.host_pages = None
                 self._set_pages(n, pages)
-                ids += list(self._ids(pages, eng.allocator.num_pages))
+                ids.append(self._ids(pages, eng.allocator.num_pages))
                 data.append(d)
-            while len(data) & (len(data) - 1):  # pad the group count to a power of two
-                data.append(data[0])
-                ids += list(self._ids([], eng.allocator.num_pages))
-            eng.layers = write_pages(eng.layers, jnp.asarray(ids, jnp.int32), tuple(data))
+            self._write_nodes(ids, data)
         ckpt = last.ckpt if last.ckpt is not None else loaded[-1]
         eng.layers = write_state(eng.layers, slot, ckpt)
         pages = [p for n in hit.chain for p in n.pages]
@@ -141,6 +139,17 @@ class PrefixCache:
                 pages += own
         req.pages, req.fed = pages, hit.length
         return True
+
+    def _write_nodes(self, ids, data):
+        """Write restored nodes' pages WRITE_GROUPS nodes a call, fewer padded to a power of two:
+        the write compiles for a few group counts, not once for every size of restore."""
+        fill = self._ids([], self.eng.allocator.num_pages)
+        for i in range(0, len(data), WRITE_GROUPS):
+            part_ids, part = ids[i:i + WRITE_GROUPS], data[i:i + WRITE_GROUPS]
+            while len(part) & (len(part) - 1):
+                part_ids.append(fill)
+                part.append(part[0])
+            self.eng.layers = write_pages(self.eng.layers, jnp.asarray(np.concatenate(part_ids)), tuple(part))
 
     def _ids(self, pages, fill):
         """Page ids padded to one block's page count rounded up to a power of two: every node's
