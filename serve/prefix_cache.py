@@ -41,6 +41,7 @@ class RequestCache:
     chain: list = dataclasses.field(default_factory=list)
     pinned: list = dataclasses.field(default_factory=list)
     junction: int = 0
+    prompt_end: Node | None = None  # the node holding the checkpoint at the prompt's end
 
     @property
     def depth(self) -> int:
@@ -160,13 +161,13 @@ class PrefixCache:
 
     # ---- scheduling hooks ----
     def chunk_end(self, req, end: int) -> int:
-        """Where a prefill chunk [req.fed, end) should stop so a checkpoint position ends it."""
+        """Where a prefill chunk [req.fed, end) should stop: at the first checkpoint position
+        inside it, so every one ends a chunk (a chunk holding both the prompt's last block
+        boundary and its end stops at the boundary; the next call computes the tail)."""
         fed = req.fed
-        cands = [c for c in (req.prefix.junction, len(req.prompt), self._aligned_end(req)) if fed < c < end]
-        k = (end - 1) // self.interval * self.interval
-        if k > fed:
-            cands.append(k)
-        return max(cands) if cands else end
+        nxt = (fed // self.interval + 1) * self.interval
+        cands = [c for c in (req.prefix.junction, len(req.prompt), self._aligned_end(req), nxt) if fed < c < end]
+        return min(cands) if cands else end
 
     def after_step(self, req):
         """After a device call: cache the request's newly completed blocks and checkpoint its
@@ -176,6 +177,8 @@ class PrefixCache:
         if 0 < fed <= len(seq) and (fed % self.interval == 0 or fed == req.prefix.junction
                                     or fed in (len(req.prompt), self._aligned_end(req))):
             self._checkpoint(req, fed, final=False)
+            if fed == len(req.prompt):
+                req.prefix.prompt_end = self._node_at(req, fed)
 
     def _aligned_end(self, req) -> int:
         """The prompt's last block boundary (0: the prompt is shorter than a block)."""
@@ -190,6 +193,11 @@ class PrefixCache:
         self._commit(req, min(fed, len(seq)))
         if 0 < fed <= len(seq):
             self._checkpoint(req, fed, final=True)
+        end = req.prefix.prompt_end
+        if fed > len(req.prompt) and end is not None and id(end) in self.index.lru:
+            # the request's end supersedes its prompt's end (a next turn extends the request):
+            # that checkpoint goes first when the budget is short
+            self.index.lru.move_to_end(id(end), last=False)
         for n in req.prefix.pinned:
             self._unpin(n)
         req.prefix = None
@@ -216,6 +224,12 @@ class PrefixCache:
             self._pin(node)
             rc.chain.append(node)
             rc.pinned.append(node)
+
+    def _node_at(self, req, pos: int) -> Node | None:
+        """The node ending exactly at `pos` on the request's path (its block, or a tail)."""
+        rc = req.prefix
+        parent = rc.chain[-1] if rc.chain else self.index.root
+        return parent if pos == rc.depth else self.index.tail(parent, req.sequence[rc.depth:pos])
 
     def _checkpoint(self, req, pos: int, final: bool):
         rc, eng, ps = req.prefix, self.eng, self.ps

@@ -218,6 +218,27 @@ def test_a_prompt_sharing_only_whole_blocks_hits_at_the_last_boundary(model):
     assert out == Engine(model, **GEOMETRY, prefix_cache=False).generate([first, second], params=[params] * 2)
 
 
+def test_the_last_boundary_is_checkpointed_when_the_prompt_ends_in_the_same_chunk(model):
+    """A prefill chunk wider than the prompt's tail holds both its last block boundary and its end:
+    the chunk stops at the boundary (checkpointed), so a next prompt sharing only the whole blocks
+    hits there (the chunk used to stop only at the prompt's end)."""
+    rng = np.random.RandomState(12)
+    first = list(map(int, rng.randint(0, 256, 3 * BLOCK + 5)))
+    second = first[:3 * BLOCK] + list(map(int, rng.randint(0, 256, 7)))
+    params = SamplingParams(max_new_tokens=3, stop_tokens=())
+    geometry = dict(GEOMETRY, prefill_chunk=64)
+    eng = Engine(model, **geometry, cache_block=BLOCK, checkpoint_interval=8 * BLOCK)
+    out = []
+    for p in (first, second):
+        r = eng.submit(p, params)
+        while eng.has_work():
+            eng.step()
+            eng.check_pages()
+        out.append(r.output)
+    assert r.metrics["prefix_hit_tokens"] == 3 * BLOCK
+    assert out == Engine(model, **geometry, prefix_cache=False).generate([first, second], params=[params] * 2)
+
+
 def test_restored_request_equals_recomputed_and_preemption_keeps_blocks(model):
     """A pool so small that requests preempt each other: the preempted request's blocks and state
     go to the host tier (its pages are what the pool needed), it resumes from them, and the
