@@ -102,7 +102,7 @@ def case(rec, model, B, workload, n_new, plen, rng):
     rec.log(f"B{B} {workload}: plain {plain_tps:.1f} tok/s, {name} {spec_tps:.1f} tok/s "
             f"({spec_tps / plain_tps:.2f}x), depth {stats['spec_depth']}, acceptance {acc}, "
             f"rows differing {len(differ)}/{B} {differ}")
-    rec.row(f"Speculative decoding, {name} drafts, auto depth (peer: plain decoding)", f"B{B} {workload}",
+    rec.row(f"Speculative decoding, {name} drafts, auto depth", f"B{B} {workload}",
             spec_tps, "tokens/s", peer=plain_tps, peer_name="plain",
             note=f"depth {stats['spec_depth']}, acceptance {0 if acc is None else acc:.2f}, "
                  f"{len(differ)}/{B} rows differ")
