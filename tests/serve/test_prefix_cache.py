@@ -5,7 +5,7 @@ after every step."""
 import numpy as np
 import pytest
 
-from serve import Engine, SamplingParams
+from serve import Engine, SamplingParams, prefix_cache
 from serve.cache_ops import read_state
 
 # one engine geometry for every run, so the jitted steps compile once
@@ -216,6 +216,29 @@ def test_a_prompt_sharing_only_whole_blocks_hits_at_the_last_boundary(model):
         out.append(r.output)
     assert r.metrics["prefix_hit_tokens"] == 2 * BLOCK
     assert out == Engine(model, **GEOMETRY, prefix_cache=False).generate([first, second], params=[params] * 2)
+
+
+def test_a_host_restore_of_many_blocks_is_written_in_several_calls(model, monkeypatch):
+    """A restore from the host tier of more blocks than one write call takes (7 blocks, 2 a
+    call here) puts every page back: the request gives the cache-off tokens."""
+    monkeypatch.setattr(prefix_cache, "WRITE_GROUPS", 2)
+    rng = np.random.RandomState(13)
+    prefix = list(map(int, rng.randint(0, 256, 7 * BLOCK)))
+    prompts = [prefix + list(map(int, rng.randint(0, 256, 5))) for _ in range(2)]
+    params = SamplingParams(max_new_tokens=4, stop_tokens=())
+    eng = Engine(model, **GEOMETRY, cache_block=BLOCK, host_cache_bytes=1 << 22)
+    out = []
+    for i, p in enumerate(prompts):
+        r = eng.submit(p, params)
+        while eng.has_work():
+            eng.step()
+            eng.check_pages()
+        out.append(r.output)
+        if i == 0:
+            eng.prefix.offload()  # every cached page and checkpoint to host
+    assert r.metrics["prefix_hit_tokens"] == 7 * BLOCK
+    assert eng.stats()["host_restored_bytes"] > 0
+    assert out == Engine(model, **GEOMETRY, prefix_cache=False).generate(prompts, params=[params] * 2)
 
 
 def test_the_last_boundary_is_checkpointed_when_the_prompt_ends_in_the_same_chunk(model):
