@@ -25,6 +25,7 @@ from kimik3.model import Model, cache_shapes
 from kimik3.runtime import mesh_context, run_mesh
 from kimik3.sampling import check_sampling
 
+from .cache_budget import plan_cache
 from .pages import PageAllocator
 from .prefix_cache import CACHE, PrefixCache
 from .speculation import Speculator, Stopwatch
@@ -162,48 +163,12 @@ class Engine:
         # bytes of one page on one device (under DCP each device holds 1/dcp of every page)
         self.page_bytes = sum(item(e["latent"][0][1:], e["latent"][1]) for e in shapes if "latent" in e) // dcp
         self.slot_bytes = sum(item(s[1:], d) for e in shapes if "latent" not in e for s, d in e.values())
-        if prefix_cache:
-            if cache_block < 1 or cache_block % page_size:
-                raise ValueError(f"cache_block={cache_block} must be a positive multiple of page_size={page_size}")
-            if device_cache_bytes is not None and device_cache_bytes < self.slot_bytes:
-                raise ValueError(f"device_cache_bytes={device_cache_bytes} holds no KDA checkpoint ({self.slot_bytes} B "
-                                 "each): raise it, or prefix_cache=False")
-            block_bytes = cache_block // page_size * self.page_bytes
-            if host_cache_bytes and host_cache_bytes < self.slot_bytes + block_bytes:
-                raise ValueError(f"host_cache_bytes={host_cache_bytes} holds less than one block's pages plus one "
-                                 f"KDA checkpoint ({block_bytes} + {self.slot_bytes} B): raise it, or 0 for no host tier")
-            if checkpoint_interval is None:
-                # the tokens whose MLA pages weigh one checkpoint, rounded up to a multiple of both
-                # the block and the prefill chunk: prefill chunks are cut at checkpoint positions,
-                # and a cut off the chunk grid costs a whole padded chunk call
-                tokens = math.ceil(self.slot_bytes * page_size / max(self.page_bytes, 1))
-                grid = math.lcm(cache_block, prefill_chunk)
-                checkpoint_interval = max(1, math.ceil(tokens / grid)) * grid
-            if checkpoint_interval < 1 or checkpoint_interval % cache_block:
-                raise ValueError(f"checkpoint_interval={checkpoint_interval} must be a positive multiple of "
-                                 f"cache_block={cache_block}")
-        else:
-            device_cache_bytes = 0
-        # checkpoint bytes the default budget gives each page of the pool (one per interval)
-        ckpt_per_page = (self.slot_bytes * page_size / checkpoint_interval
-                         if prefix_cache and device_cache_bytes is None else 0.0)
-        least_ckpts = max_batch * self.slot_bytes if ckpt_per_page else (device_cache_bytes or 0)
-        if num_pages is None:
-            if memory_budget_bytes is None:
-                num_pages = max_batch * self.pages_per_seq
-            else:
-                left = memory_budget_bytes - max_batch * self.slot_bytes - least_ckpts
-                num_pages = (int(left // (self.page_bytes + ckpt_per_page)) if self.page_bytes
-                             else self.pages_per_seq)
-                if num_pages < self.pages_per_seq:
-                    raise ValueError(
-                        f"memory_budget_bytes={memory_budget_bytes} holds {max(num_pages, 0)} cache pages after "
-                        f"{max_batch} KDA state slots ({self.slot_bytes} B each) and {least_ckpts} B of "
-                        f"prefix-cache checkpoints, but one {self.max_seq_len}-token "
-                        f"sequence needs {self.pages_per_seq} pages of {self.page_bytes} B: raise the budget or "
-                        "lower max_batch / max_seq_len")
-        if ckpt_per_page:
-            device_cache_bytes = max(least_ckpts, int(num_pages * ckpt_per_page) // self.slot_bytes * self.slot_bytes)
+        plan = plan_cache(max_batch=max_batch, page_size=page_size, max_seq_len=self.max_seq_len,
+                          prefill_chunk=prefill_chunk, page_bytes=self.page_bytes, slot_bytes=self.slot_bytes,
+                          num_pages=num_pages, memory_budget_bytes=memory_budget_bytes, prefix_cache=prefix_cache,
+                          cache_block=cache_block, device_cache_bytes=device_cache_bytes,
+                          host_cache_bytes=host_cache_bytes, checkpoint_interval=checkpoint_interval)
+        num_pages, device_cache_bytes, checkpoint_interval = plan
         self.allocator = PageAllocator(int(num_pages))
         layers = []
         for e in cache_shapes(cfg, max_batch, page_size):
