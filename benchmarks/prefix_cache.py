@@ -95,9 +95,9 @@ def nothing_hits(rec, model, chunk, rng):
     rows = {k: {"prefill_s": min(p for p, _ in v), "decode_step_s": min(d for _, d in v)} for k, v in out.items()}
     rec.details["nothing_hits"] = rows
     shape = f"4 x {4 * chunk} tokens, chunk {chunk}"
-    rec.row("Prefix cache on, nothing hits: prefill (peer: cache off)", shape, rows["on"]["prefill_s"] * 1e3, "ms",
+    rec.row("Prefix cache on, nothing hits: prefill", shape, rows["on"]["prefill_s"] * 1e3, "ms",
             peer=rows["off"]["prefill_s"] * 1e3, peer_name="cache off")
-    rec.row("Prefix cache on, nothing hits: decode step (peer: cache off)", "B4", rows["on"]["decode_step_s"] * 1e6,
+    rec.row("Prefix cache on, nothing hits: decode step", "B4", rows["on"]["decode_step_s"] * 1e6,
             "us", peer=rows["off"]["decode_step_s"] * 1e6, peer_name="cache off")
     rec.log("nothing hits:", rows)
 
@@ -174,6 +174,9 @@ def run(rec, args):
     rec.details["engine"] = GEOMETRY
     rng = np.random.RandomState(0)
     longest_first = sorted(prefixes, reverse=True)
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"--parts: unknown {','.join(unknown)}; choose from {','.join(PARTS)}")
     if "shared" in args.parts:
         rec.guard(f"shared prefix {longest_first[0]}", shared_prefix, rec, model, longest_first[0], rng)
     if "nothing" in args.parts:

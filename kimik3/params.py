@@ -15,8 +15,8 @@ from .model import KimiLM, Model
 
 def _boxed_init(cfg: Config):
     """Init returning every parameter boxed with the logical axes its layer declares. The forward
-    that declares them runs on the plain-JAX path: the weights do not depend on the kernels, and
-    lowering every Pallas kernel only to discard it made a GPU init of the K3 slice take minutes."""
+    that declares them runs on the plain-JAX path: the weights do not depend on the kernels, so
+    the init program need not lower any Pallas kernel."""
     def init(key):
         tokens = jnp.zeros((1, 2), jnp.int32)
         return KimiLM(cfg).init(key, tokens, backend="reference")["params"]

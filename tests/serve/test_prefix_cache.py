@@ -198,6 +198,21 @@ def test_prompts_shorter_than_a_block_hit(model):
     assert hits == ends[:3], (hits, ends)
 
 
+def _one_after_another(eng, prompts, params, between=None):
+    """Run each prompt to its end before the next (checking pages after every step), calling
+    `between` after each; returns the outputs and the last request."""
+    out = []
+    for p in prompts:
+        r = eng.submit(p, params)
+        while eng.has_work():
+            eng.step()
+            eng.check_pages()
+        out.append(r.output)
+        if between is not None:
+            between()
+    return out, r
+
+
 def test_a_prompt_sharing_only_whole_blocks_hits_at_the_last_boundary(model):
     """A next prompt that repeats the previous prompt's whole blocks but not its tail (a trace of
     block hashes; a re-rendered last message) hits at the previous prompt's last block boundary,
@@ -207,13 +222,7 @@ def test_a_prompt_sharing_only_whole_blocks_hits_at_the_last_boundary(model):
     second = first[:2 * BLOCK] + list(map(int, rng.randint(0, 256, 13)))
     params = SamplingParams(max_new_tokens=4, stop_tokens=())
     eng = Engine(model, **GEOMETRY, cache_block=BLOCK, checkpoint_interval=8 * BLOCK)
-    out = []
-    for p in (first, second):
-        r = eng.submit(p, params)
-        while eng.has_work():
-            eng.step()
-            eng.check_pages()
-        out.append(r.output)
+    out, r = _one_after_another(eng, (first, second), params)
     assert r.metrics["prefix_hit_tokens"] == 2 * BLOCK
     assert out == Engine(model, **GEOMETRY, prefix_cache=False).generate([first, second], params=[params] * 2)
 
@@ -227,15 +236,7 @@ def test_a_host_restore_of_many_blocks_is_written_in_several_calls(model, monkey
     prompts = [prefix + list(map(int, rng.randint(0, 256, 5))) for _ in range(2)]
     params = SamplingParams(max_new_tokens=4, stop_tokens=())
     eng = Engine(model, **GEOMETRY, cache_block=BLOCK, host_cache_bytes=1 << 22)
-    out = []
-    for i, p in enumerate(prompts):
-        r = eng.submit(p, params)
-        while eng.has_work():
-            eng.step()
-            eng.check_pages()
-        out.append(r.output)
-        if i == 0:
-            eng.prefix.offload()  # every cached page and checkpoint to host
+    out, r = _one_after_another(eng, prompts, params, between=eng.prefix.offload)  # all to host
     assert r.metrics["prefix_hit_tokens"] == 7 * BLOCK
     assert eng.stats()["host_restored_bytes"] > 0
     assert out == Engine(model, **GEOMETRY, prefix_cache=False).generate(prompts, params=[params] * 2)
@@ -251,13 +252,7 @@ def test_the_last_boundary_is_checkpointed_when_the_prompt_ends_in_the_same_chun
     params = SamplingParams(max_new_tokens=3, stop_tokens=())
     geometry = dict(GEOMETRY, prefill_chunk=64)
     eng = Engine(model, **geometry, cache_block=BLOCK, checkpoint_interval=8 * BLOCK)
-    out = []
-    for p in (first, second):
-        r = eng.submit(p, params)
-        while eng.has_work():
-            eng.step()
-            eng.check_pages()
-        out.append(r.output)
+    out, r = _one_after_another(eng, (first, second), params)
     assert r.metrics["prefix_hit_tokens"] == 3 * BLOCK
     assert out == Engine(model, **geometry, prefix_cache=False).generate([first, second], params=[params] * 2)
 
