@@ -63,9 +63,8 @@ def timed_restore():
 
 
 def drain(eng):
-    """Run the engine dry: (seconds in prefill calls, seconds per decode step)."""
-    pre = dec = 0.0
-    dec_calls = 0
+    """Run the engine dry: (seconds in prefill calls, seconds per token of each decode call)."""
+    pre, dec = 0.0, []
     while eng.has_work():
         prefilling = bool(eng.waiting) or any(r.fed < len(r.sequence) - 1 for r in eng.running)
         t = time.perf_counter()
@@ -74,31 +73,30 @@ def drain(eng):
         if prefilling:
             pre += time.perf_counter() - t
         else:
-            dec += time.perf_counter() - t
-            dec_calls += 1
-    return pre, dec / max(dec_calls * eng.decode_steps, 1)
+            dec.append((time.perf_counter() - t) / eng.decode_steps)
+    return pre, dec
 
 
 def nothing_hits(rec, model, chunk, rng):
-    out = {"off": [], "on": []}
+    out = {"off": ([], []), "on": ([], [])}  # (prefill seconds per pass, decode seconds per token per call)
     V = model.cfg.vocab_size
-    for rep in range(3):  # the first pass compiles; the best of the others counts
-        for on in (False, True):
+    for rep in range(5):  # the first pass compiles; the order alternates so neither side always runs second
+        for on in ((False, True) if rep % 2 else (True, False)):
             eng = engine(model, prefix_cache=on)
             for i in range(4):  # fresh tokens every pass: nothing can hit
                 prompt = list(map(int, rng.randint(0, V, 4 * chunk + 17 * i)))
                 eng.submit(prompt, SamplingParams(max_new_tokens=128, stop_tokens=()))
+            pre, dec = drain(eng)
             if rep:
-                out["on" if on else "off"].append(drain(eng))
-            else:
-                drain(eng)
-    rows = {k: {"prefill_s": min(p for p, _ in v), "decode_step_s": min(d for _, d in v)} for k, v in out.items()}
+                out["on" if on else "off"][0].append(pre)
+                out["on" if on else "off"][1].extend(dec)
+    rows = {k: {"prefill_s": float(np.median(p)), "decode_step_s": float(np.median(d))} for k, (p, d) in out.items()}
     rec.details["nothing_hits"] = rows
     shape = f"4 x {4 * chunk} tokens, chunk {chunk}"
     rec.row("Prefix cache on, nothing hits: prefill", shape, rows["on"]["prefill_s"] * 1e3, "ms",
-            peer=rows["off"]["prefill_s"] * 1e3, peer_name="cache off")
+            peer=rows["off"]["prefill_s"] * 1e3, peer_name="cache off", note="median of 4 passes")
     rec.row("Prefix cache on, nothing hits: decode step", "B4", rows["on"]["decode_step_s"] * 1e6,
-            "us", peer=rows["off"]["decode_step_s"] * 1e6, peer_name="cache off")
+            "us", peer=rows["off"]["decode_step_s"] * 1e6, peer_name="cache off", note="median of 64 calls")
     rec.log("nothing hits:", rows)
 
 

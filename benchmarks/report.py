@@ -69,13 +69,19 @@ def render(runs: list[dict]) -> str:
         peers = {r["peer_name"] for _, r in rows if r["peer"] is not None}
         one_peer = peers.pop() if len(peers) == 1 else None
         out.append(f"## {area}" + (f" vs {one_peer}" if one_peer else "") + "\n")
-        out.append("| shape | ours | peer | ratio | % of limit | date | device | commit | command |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
+        metas = []
         for run, r in rows:
-            meta = {k: r.get(k) or run[k] for k in ("date", "device", "commit", "command")}
-            command = shown_command(meta["command"])
+            meta = {k: r.get(k) or run[k] for k in ("date", "device", "commit")}
+            command = shown_command(r.get("command") or run["command"])
             if command not in commands:
                 commands.append(command)
+            metas.append((meta["date"], meta["device"], meta["commit"], f"({commands.index(command) + 1})"))
+        shared = len(set(metas)) == 1  # one run made every row: say where once, under the heading
+        if shared:
+            out.append("{}, {}, commit {}, command {}\n".format(*metas[0]))
+        out.append("| shape | ours | peer | ratio | % of limit |" + ("" if shared else " date | device | commit | command |"))
+        out.append("|---|---|---|---|---|" + ("" if shared else "---|---|---|---|"))
+        for (run, r), meta in zip(rows, metas):
             unit = r["unit"]
             peer = "-" if r["peer"] is None else f"{_num(r['peer'])} {unit}" + (
                 "" if one_peer else f", {r['peer_name']}")
@@ -83,9 +89,8 @@ def render(runs: list[dict]) -> str:
             limit = " ".join(filter(None, ["" if r["limit_pct"] is None else f"{r['limit_pct']:.1f}%",
                                            r.get("note", "")])) or "-"
             ours = "-" if r["ours"] is None else f"{_num(r['ours'])} {unit}"
-            out.append(f"| {r['shape']} | {ours} | {peer} | "
-                       f"{'-' if x is None else f'{x:.2f}x'} | {limit} | {meta['date']} | "
-                       f"{meta['device']} | {meta['commit']} | ({commands.index(command) + 1}) |")
+            out.append(f"| {r['shape']} | {ours} | {peer} | {'-' if x is None else f'{x:.2f}x'} | {limit} |"
+                       + ("" if shared else " {} | {} | {} | {} |".format(*meta)))
         out.append("")
     out.append("## Commands\n")
     out += [f"({i + 1}) `{c}`  " for i, c in enumerate(commands)]

@@ -24,7 +24,7 @@ from serve import Engine
 from serve.agentic_trace import Session, Turn, coding_agent_sessions
 from serve.async_engine import AsyncEngine
 from serve.replay import InProcess, OverHTTP, replay, run_replay, summarize
-from .common import ints_arg
+from .common import ints_arg, names_arg
 from .k3_slice import k3_slice
 
 
@@ -37,6 +37,11 @@ def add_args(p):
     p.add_argument("--turns", type=int, default=4, help="turns a session")
     p.add_argument("--target", type=float, default=50.0, help="output tokens/s per user at P90")
     p.add_argument("--depth", type=int, default=12, help="layers of the K3 slice")
+    p.add_argument("--parts", type=names_arg, default=list(PARTS),
+                   help=f"which parts to run, of {','.join(PARTS)} (default all)")
+
+
+PARTS = ("overhead", "curve")
 
 
 def engine_kw(smoke):
@@ -98,17 +103,28 @@ def curve(rec, model, tok, args, smoke, prefix_cache):
                                               p["output_tokens_per_s_per_user_p90"]) for p in report["sweep"]["points"]])
     rec.row(f"Agentic replay, prefix cache {name}: total tokens/s per GPU at {args.target:g} tok/s/user P90",
             f"{args.sessions} sessions x {args.turns} turns", at if at is not None else float("nan"), "tokens/s",
-            note=f"prefix hit rate {100 * (report.get('prefix_hit_rate') or 0):.0f}%"
-            + ("" if at is not None else "; no concurrency met the target"))
+            note=hit_rates(report) + ("" if at is not None else "; no concurrency met the target"))
+
+
+def hit_rates(report) -> str:
+    """The prefix hit rate at each concurrency of the sweep (the trace-timed run before it also
+    compiles, so its rate says little)."""
+    rates = "/".join(f"{100 * (p.get('prefix_hit_rate') or 0):.0f}" for p in report["sweep"]["points"])
+    levels = "/".join(str(p["concurrency"]) for p in report["sweep"]["points"])
+    return f"prefix hit rate {rates}% at concurrency {levels} (trace reuse {100 * report['trace_prefix_reuse']:.0f}%)"
 
 
 def run(rec, args):
     smoke = args.smoke
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"--parts: unknown {','.join(unknown)}; choose from {','.join(PARTS)}")
     cfg = k3_slice(args.depth, smoke)
     t = time.perf_counter()
     model = kimik3.init(cfg, seed=0)
     tok = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)  # output text is only decoded
     rec.details.update(model=cfg.name, engine=engine_kw(smoke), init_s=time.perf_counter() - t)
-    rec.guard("overhead", lambda: asyncio.run(overhead(rec, model, tok, args, smoke)))
-    for on in (True, False):
+    if "overhead" in args.parts:
+        rec.guard("overhead", lambda: asyncio.run(overhead(rec, model, tok, args, smoke)))
+    for on in (True, False) if "curve" in args.parts else ():
         rec.guard(f"curve prefix {'on' if on else 'off'}", curve, rec, model, tok, args, smoke, on)
