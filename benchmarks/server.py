@@ -3,7 +3,7 @@ curve (throughput vs per-user speed), on the K3 slice.
 
 1. overhead: --streams concurrent one-turn streams (--prompt tokens in, --output tokens out), all
    arriving at once, replayed on the same engine in-process (AsyncEngine) and over HTTP (uvicorn
-   on localhost, the openai client): total tokens/s and TTFT P50 of each, best of two runs after
+   on localhost, `kimik3 replay --url` in a process of its own): total tokens/s and TTFT P50 of each, best of two runs after
    a warm-up run that compiles.
 2. curve: generated coding-agent sessions replayed in-process at each --concurrency, with the
    prefix cache on and off; the throughput at --target output tokens/s per user at P90, drawn
@@ -15,13 +15,16 @@ curve (throughput vs per-user speed), on the K3 slice.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 import time
 
 import kimik3
 from kimik3.tokenizer import ByteTokenizer
 from serve import Engine
-from serve.agentic_trace import Session, Turn, coding_agent_sessions
+from serve.agentic_trace import Session, Turn, coding_agent_sessions, write_trace
 from serve.async_engine import AsyncEngine
 from serve.replay import InProcess, OverHTTP, replay, run_replay, summarize
 from .common import ints_arg, names_arg
@@ -50,8 +53,6 @@ def engine_kw(smoke):
 
 
 async def overhead(rec, model, tok, args, smoke):
-    import openai  # the serve extra: only this part needs it
-
     from serve.server import ServerThread, build_app
     prompt, output = args.prompt or (32 if smoke else 1024), args.output or (8 if smoke else 256)
     blocks = -(-prompt // 64)
@@ -66,26 +67,37 @@ async def overhead(rec, model, tok, args, smoke):
         for _ in range(2):
             records, wall = await replay(sessions, InProcess(aengine), 64, V)
             runs.setdefault("in_process", []).append(summarize(records, wall, 1))
-            server = ServerThread(build_app(aengine, tok, "slice")).start()
-            try:
-                async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                                              timeout=None) as client:
-                    records, wall = await replay(sessions, OverHTTP(client, "slice"), 64, V)
-            finally:
-                await asyncio.to_thread(server.stop)
-            runs.setdefault("http", []).append(summarize(records, wall, 1))
+        with ServerThread(build_app(aengine, tok, "slice")) as server:
+            runs["http"] = await asyncio.to_thread(http_client_runs, sessions, server.url, args.out)
     finally:
         aengine.close()
     best = {w: max(rs, key=lambda r: r["total_tokens_per_s"]) for w, rs in runs.items()}
     rec.details["overhead"] = dict(streams=args.streams, prompt=prompt, output=output, runs=runs)
     shape = f"{args.streams} streams, {prompt} in / {output} out"
+    note = "the client in its own process"
     rec.row("Server over HTTP (peer: the in-process engine): total tokens/s", shape,
             best["http"]["total_tokens_per_s"], "tokens/s", peer=best["in_process"]["total_tokens_per_s"],
-            peer_name="in-process")
+            peer_name="in-process", note=note)
     rec.row("Server over HTTP (peer: the in-process engine): TTFT P50", shape, best["http"]["ttft_p50_s"] * 1e3,
-            "ms", peer=best["in_process"]["ttft_p50_s"] * 1e3, peer_name="in-process")
+            "ms", peer=best["in_process"]["ttft_p50_s"] * 1e3, peer_name="in-process", note=note)
     rec.log("overhead:", {w: (round(b["total_tokens_per_s"], 1), round(b["ttft_p50_s"] * 1e3, 1))
                           for w, b in best.items()})
+
+
+def http_client_runs(sessions, url, out_dir) -> list[dict]:
+    """Two runs of every session at once over HTTP by `kimik3 replay --url` in a process of its
+    own, as real clients are: a client parsing streamed chunks in the server's process would take
+    the interpreter from the engine thread and be counted as the server's cost."""
+    trace, report = os.path.join(out_dir, "overhead-trace.jsonl"), os.path.join(out_dir, "overhead-http.json")
+    write_trace(sessions, trace)
+    cmd = [sys.executable, "-m", "serve", "replay", "--url", url, "--trace", trace, "--concurrency",
+           str(len(sessions)), "--output", report]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(report) as f:
+        r = json.load(f)
+    for path in (trace, report[:-5] + ".png"):
+        os.remove(path)
+    return [r, r["sweep"]["points"][0]]  # the trace's own arrivals (all at once), then concurrency = all
 
 
 def curve(rec, model, tok, args, smoke, prefix_cache):

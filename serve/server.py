@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -131,24 +131,58 @@ def _message_text(message: dict) -> dict:
 
 class TextStream:
     """Turns a growing token list into text deltas. Holds back a trailing partial UTF-8 character
-    and any tail that could still become a stop string (the engine cuts the text at the stop)."""
+    and any tail that could still become a stop string (the engine cuts the text at the stop).
+    Decodes only a window of recent tokens per push (the text before it is settled), so a long
+    answer costs linear, not quadratic, decoding."""
 
     def __init__(self, tokenizer, stops: tuple):
         self.tokenizer, self.stops = tokenizer, stops
         self.tokens: list[int] = []
+        self.settled = ""  # text of tokens[:read], whole characters
+        self.prefix = self.read = 0  # the window decoded again starts one push back (context for the decoder)
         self.sent = 0
 
     def push(self, tokens, final_text: str | None = None, finished: bool = False) -> str:
         self.tokens += tokens
-        text = final_text if final_text is not None else self.tokenizer.decode(self.tokens)
+        if final_text is not None:
+            text = final_text
+        else:
+            before = self.tokenizer.decode(self.tokens[self.prefix:self.read])
+            pending = self.tokenizer.decode(self.tokens[self.prefix:])[len(before):]
+            text = self.settled + pending
+            if not pending.endswith("\ufffd"):  # whole characters: settle them, move the window on
+                self.settled, self.prefix, self.read = text, self.read, len(self.tokens)
         ready = len(text)
         if not finished:
             ready = len(text.rstrip("\ufffd"))
-            head = text[:ready]
+            head = text[max(0, ready - max(map(len, self.stops), default=0)):ready]
             ready -= max((k for s in self.stops for k in range(1, len(s)) if head.endswith(s[:k])), default=0)
         out = text[self.sent:max(ready, self.sent)]
         self.sent = max(ready, self.sent)
         return out
+
+
+class CountRequests:
+    """ASGI middleware counting requests by path and status (a plain ASGI wrapper: Starlette's
+    BaseHTTPMiddleware would pass every streamed chunk through an extra task and queue)."""
+
+    def __init__(self, app, counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def sending(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self.counter.labels(scope["path"], str(status)).inc()
 
 
 class Metrics:
@@ -216,11 +250,7 @@ def build_app(aengine: AsyncEngine, tokenizer, model_name: str, devices: int = 1
     metrics = Metrics(aengine)
     created = int(time.time())
 
-    @app.middleware("http")
-    async def count(request: HTTPRequest, call_next):
-        response = await call_next(request)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountRequests, counter=metrics.requests)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):

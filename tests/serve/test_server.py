@@ -323,3 +323,20 @@ def test_two_processes_serve_one_mesh(model):
     assert got == want
     for pid, (rc, err) in enumerate(status):
         assert rc == 0, f"process {pid} exited {rc}: {err[-2000:]}"
+
+
+def test_text_stream_decoding_a_window_gives_the_text_of_decoding_everything():
+    """Random pushes of multi-byte characters, stop-string prefixes and textless ids: the deltas
+    join to the full decode (held-back tails included once finished)."""
+    rng = np.random.default_rng(0)
+    tok = ByteTokenizer(320)
+    pieces = [b"a", b"E", b"N", b"D", "é".encode(), "漢".encode(), "🙂".encode(), bytes([0x80])]
+    for trial in range(50):
+        ids = [int(b) for _ in range(rng.integers(1, 40)) for b in pieces[rng.integers(len(pieces))]]
+        ids += [300] * int(rng.integers(0, 2))  # an id with no text
+        ts, out, i = TextStream(tok, ("END", "é!")), [], 0
+        while i < len(ids):
+            n = int(rng.integers(1, 6))
+            out.append(ts.push(ids[i:i + n], finished=i + n >= len(ids)))
+            i += n
+        assert "".join(out) == tok.decode(ids), trial
