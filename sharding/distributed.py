@@ -11,6 +11,7 @@ one line each, when one of them fails.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -282,16 +283,17 @@ def announce_failure(line: str, status: int = 1, wait_s: float = 10.0) -> None:
             pass
 
 
-def watch_failures(poll_s: float = 5.0) -> threading.Thread | None:
+def watch_failures(poll_s: float = 1.0) -> threading.Thread | None:
     """A daemon thread that ends this process with one line on stderr as soon as another process
     `announce_failure`s: a process waiting in a collective, or for a message, of a process that
-    failed would otherwise wait forever. None in a single-process run."""
+    failed would otherwise wait forever. It ends at exit, before JAX's own shutdown (a thread
+    still inside the runtime's client then would abort the process). None in a single-process run."""
     if jax.process_count() == 1:
         return None
-    client, me = _client(), jax.process_index()
+    client, me, done = _client(), jax.process_index(), threading.Event()
 
     def watch():
-        while True:
+        while not done.is_set():
             try:
                 who, line, status = json.loads(client.blocking_key_value_get(FAILED_KEY, int(poll_s * 1000)))
             except Exception as e:
@@ -312,4 +314,9 @@ def watch_failures(poll_s: float = 5.0) -> threading.Thread | None:
 
     thread = threading.Thread(target=watch, name="kimik3-failure-watch", daemon=True)
     thread.start()
+
+    def stop():
+        done.set()
+        thread.join(timeout=2 * poll_s)
+    atexit.register(stop)  # runs before jax.distributed's shutdown, registered when it joined
     return thread
