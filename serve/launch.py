@@ -167,5 +167,6 @@ def _start_replicas(args, factory, mesh, AsyncEngine):
         return None
     if len(reps) == 1:
         return engines[0]
-    check = engines[0].engine._request  # the checks of Engine.submit, nothing queued
+    def check(prompt, params):  # the checks of Engine.submit (a Request for process 0's side), nothing queued
+        return engines[0].engine._request(prompt, params, None)
     return Dispatcher([engines[r.index] if r.leader == 0 else RemoteReplica(r.index, r.leader, check) for r in reps])

@@ -276,13 +276,15 @@ def test_a_failing_engine_step_fails_its_requests_not_the_server(served):
     engine.check_pages()
 
 
-def test_two_processes_serve_one_mesh(model):
-    """`kimik3 serve` over 2 processes x 4 CPU devices (TP8): process 0 answers HTTP, process 1
-    steps its engine with process 0's submissions and cancellations. Concurrent greedy requests,
-    one cancelled by a client disconnect mid-stream and one sent after it, get the one-device
-    tokens; SIGINT to process 0 ends both cleanly."""
+@pytest.mark.parametrize("mesh", [["--tensor", "8"], ["--data-parallel", "2", "--tensor", "4"]], ids=["tp8", "dp2_tp4"])
+def test_two_processes_serve_one_mesh(model, mesh):
+    """`kimik3 serve` over 2 processes x 4 CPU devices, TP8 or 2 data-parallel replicas of TP4:
+    process 0 answers HTTP; with TP8 process 1 steps its engine with process 0's submissions and
+    cancellations, with replicas process 0 dispatches requests to its own engine and to process
+    1's. Concurrent greedy requests, one cancelled by a client disconnect mid-stream and one sent
+    after it, get the one-device tokens; SIGINT to process 0 ends both cleanly."""
     port, http = free_port(), free_port()
-    cmd = [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--tensor", "8", "--port", str(http),
+    cmd = [sys.executable, "-m", "serve", "serve", "--model", "tiny", *mesh, "--port", str(http),
            "--max-batch", "4", "--max-seq-len", "64", "--page-size", "8", "--prefill-chunk", "32",
            "--decode-steps", "4"]  # test_batch's 2-process engine: its programs are in the compilation cache
     procs = [subprocess.Popen(cmd + process_flags(pid, 2, port), env=cpu_env(4), stdout=subprocess.DEVNULL,
@@ -316,10 +318,13 @@ def test_two_processes_serve_one_mesh(model):
                 return got[:3] + [await complete(c, prompts[0], 4)]
 
         got = asyncio.run(run())
+        health = httpx.get(url + "/health", timeout=10).json()
     finally:
         procs[0].send_signal(signal.SIGINT)
         status = finish(procs, 120)
     want = [kimik3.generate(model, [p], max_new_tokens=n)[0] for p, n in zip(prompts + prompts[:1], lengths + [4])]
     assert got == want
+    if "--data-parallel" in mesh:
+        assert health["replicas"] == 2 and health["steps"] > 0
     for pid, (rc, err) in enumerate(status):
         assert rc == 0, f"process {pid} exited {rc}: {err[-2000:]}"
