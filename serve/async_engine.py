@@ -155,22 +155,22 @@ class AsyncEngine:
         elif self.followers is not None:
             self.followers.send(STOP)
 
-    def _refuse_pending(self):
-        """After a fatal step: submissions posted meanwhile are refused (they would wait forever)."""
+    def _posted(self):
+        """The commands posted so far, oldest first (taken off the queue)."""
         while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _refuse_pending(self):
+        """After a fatal step: submissions posted meanwhile are refused (they would wait forever)."""
+        for command in self._posted():
             if command[0] == "submit":
                 command[-1].set_exception(EngineStopped(f"the engine stopped: {self.fatal}"))
 
     def _drain(self):
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._posted():
             if command[0] == "submit":
                 _, prompt, params, loop, deltas, answer = command
                 try:

@@ -18,7 +18,7 @@ import threading
 
 from sharding.distributed import Messages
 
-from .async_engine import STOP, AsyncEngine, Delta
+from .async_engine import STOP, AsyncEngine, Delta, RequestStream
 from .engine import SamplingParams
 
 
@@ -33,22 +33,13 @@ def sampling_params(fields: dict) -> SamplingParams:
     return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
-class _Stream:
-    """A request on a remote replica: iterate it for Deltas; cancel() as RequestStream's;
-    `request` is process 0's copy, its output (and logprobs) filled in as deltas arrive."""
+class _Stream(RequestStream):
+    """A request on a remote replica, as a RequestStream; `request` is process 0's copy, its
+    output (and logprobs) filled in as deltas arrive."""
 
     def __init__(self, owner: "RemoteReplica", rid: int, request):
-        self.owner, self.rid, self.request, self.finished = owner, rid, request, False
-        self._deltas: asyncio.Queue = asyncio.Queue()
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        while not self.finished:
-            delta = await self._deltas.get()
-            self.finished = delta.finished
-            yield delta
+        super().__init__(owner, request, asyncio.Queue())
+        self.rid = rid
 
     def cancel(self):
         if not self.finished:

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.sharding.processes import cpu_env, finish, free_port, process_flags
+from tests.sharding.processes import cpu_env, finish, free_port, process_flags, wait_for_health
 
 HERE = pathlib.Path(__file__).resolve().parent
 FLAGS = ["--model", "tiny", "--tensor", "8", "--max-batch", "4", "--max-seq-len", "64", "--page-size", "8",
@@ -52,13 +52,7 @@ def test_server_step_failing_on_process_0_stops_both():
     procs = start(["serve", "--port", str(http), "--decode-steps", "4", *FLAGS], free_port())
     url = f"http://127.0.0.1:{http}"
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_for_health(url, procs, 300)
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3},
                        timeout=120)
         assert r.status_code == 503 and "injected failure" in r.text, r.text

@@ -16,7 +16,7 @@ from kimik3.tokenizer import ByteTokenizer
 from serve import Engine
 from serve.async_engine import AsyncEngine
 from serve.server import ServerThread, TextStream, build_app
-from tests.sharding.processes import cpu_env, finish, free_port, process_flags
+from tests.sharding.processes import cpu_env, finish, free_port, process_flags, wait_for_health
 
 ENGINE_SHAPE = dict(max_batch=4, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=2)
 
@@ -291,13 +291,7 @@ def test_two_processes_serve_one_mesh(model, mesh):
                               stderr=subprocess.PIPE, text=True) for pid in range(2)]
     url = f"http://127.0.0.1:{http}"
     try:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_for_health(url, procs, 400)
         prompts, lengths = _prompts(3, 1), [3, 6, 9]
 
         async def complete(client, prompt, n):
