@@ -8,7 +8,10 @@ thread: callers post commands and await their answer.
 Over several processes (one mesh, one SPMD program) process 0 runs the AsyncEngine with
 `followers`: before each step it sends the submissions and cancellations it applied since the
 last one, and every other process runs `follow`, which applies them to its own Engine in the same
-order and steps with it, so that all engines take the same decisions.
+order and steps with it, so that all engines take the same decisions. A step that fails there
+cannot be stepped past (the others may wait inside that step's collectives): process 0 fails the
+requests in flight, tells every process (sharding.distributed.announce_failure: they stop with one
+line) and stops (`fatal`, `on_fatal`).
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import queue
 import threading
 import traceback
 
+from sharding.distributed import announce_failure
+
 from .engine import Engine, Request, SamplingParams
 
 STOP = {"ops": [], "stop": True}
@@ -29,6 +34,10 @@ log = logging.getLogger("kimik3.serve")
 
 class QueueFull(RuntimeError):
     """The engine's waiting queue is at its bound: the caller should retry later."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine stopped for good (a failed step of a multi-process run): nothing more runs."""
 
 
 @dataclasses.dataclass
@@ -79,12 +88,16 @@ class AsyncEngine:
         self.steps = 0
         self.failed_steps = 0
         self.cancelled = 0
+        self.fatal: str | None = None  # why a multi-process engine stopped for good
+        self.on_fatal = lambda: None   # called on the engine thread once `fatal` is set
         self._thread = threading.Thread(target=self._run, name="kimik3-engine", daemon=True)
         self._thread.start()
 
     # ---- called from event loops ----
     async def submit(self, prompt, params: SamplingParams) -> RequestStream:
         """Queue a request; raises ValueError (bad request, as Engine.submit) or QueueFull."""
+        if self.fatal is not None:
+            raise EngineStopped(f"the engine stopped: {self.fatal}")
         loop = asyncio.get_running_loop()
         answer: concurrent.futures.Future = concurrent.futures.Future()
         deltas: asyncio.Queue = asyncio.Queue()
@@ -129,18 +142,35 @@ class AsyncEngine:
                 reason = "error: engine step failed: " + traceback.format_exc(limit=1).strip().splitlines()[-1]
                 log.exception("engine step failed; failing the requests in flight")
                 events = _fail_all(eng, reason)
+                if self.followers is not None:
+                    self.fatal = reason[len("error: "):]
+                    announce_failure(f"process 0: {self.fatal}")
+                    self._stopping = True
             for req, tokens in events:
                 self._deliver(req, tokens)
             eng.done.clear()  # finished requests were delivered; a server must not keep them all
-        if self.followers is not None:
+        if self.fatal is not None:
+            self._refuse_pending()
+            self.on_fatal()
+        elif self.followers is not None:
             self.followers.send(STOP)
 
-    def _drain(self):
+    def _posted(self):
+        """The commands posted so far, oldest first (taken off the queue)."""
         while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _refuse_pending(self):
+        """After a fatal step: submissions posted meanwhile are refused (they would wait forever)."""
+        for command in self._posted():
+            if command[0] == "submit":
+                command[-1].set_exception(EngineStopped(f"the engine stopped: {self.fatal}"))
+
+    def _drain(self):
+        for command in self._posted():
             if command[0] == "submit":
                 _, prompt, params, loop, deltas, answer = command
                 try:
@@ -186,7 +216,7 @@ def _fail_all(eng: Engine, reason: str) -> list:
 def follow(engine: Engine, leader) -> None:
     """A process other than 0 of a multi-process server: apply process 0's submissions and
     cancellations (received from `leader`, a sharding.distributed.Messages) to `engine` and step
-    it with process 0's engine, until process 0 stops."""
+    it with process 0's engine, until process 0 stops. A failed step raises."""
     requests: dict = {}
     while True:
         message = leader.receive()
@@ -199,11 +229,7 @@ def follow(engine: Engine, leader) -> None:
                 engine.abort(requests.pop(op[1]))
         if message["stop"]:
             return
-        try:
-            engine.step()
-        except Exception:  # as process 0 does: the same step failed there
-            log.exception("engine step failed; failing the requests in flight")
-            _fail_all(engine, "error")
+        engine.step()  # a failure ends this process, and (its CLI tells them) the others
         for req in engine.done:
             requests.pop(req.id, None)
         engine.done.clear()

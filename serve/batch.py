@@ -18,15 +18,19 @@ A request that cannot be run becomes {"id", "error"}; a line without a usable id
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import numbers
 import os
+import queue
 import sys
+import threading
 import time
 
+import jax
 from tqdm import tqdm
 
-from sharding.distributed import broadcast_json, is_primary
+from sharding.distributed import Messages, broadcast_json, is_primary
 
 from .engine import Engine, SamplingParams
 
@@ -162,12 +166,15 @@ def shared_plan(input_path: str, output_path: str):
 
 
 def run_batch(model, input_path: str, output_path: str, tokenizer, defaults: dict | None = None,
-              progress: bool = True, **engine_kw) -> dict:
+              progress: bool = True, mesh=None, **engine_kw) -> dict:
     """Run every request of `input_path` not yet in `output_path` and append their results; over
-    several processes every process runs the engine and process 0 alone writes."""
+    several processes every process runs the engine and process 0 alone writes.
+
+    `mesh` with a `data` axis > 1 (the weights placed on it): data-parallel replicas, one Engine
+    per replica on its sub-mesh, the requests dealt out to them in turn; each replica's leader
+    sends its results to process 0, which writes every one of them."""
     defaults = dict(dict(max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=0), **(defaults or {}))
     plan, skipped = shared_plan(input_path, output_path)
-    engine = Engine(model, tokenizer=tokenizer, **engine_kw)
     todo, errors = [], []
     for kind, *entry in plan:
         if kind == "error":
@@ -180,43 +187,168 @@ def run_batch(model, input_path: str, output_path: str, tokenizer, defaults: dic
             errors.append({"id": rid, "error": str(e)})
             continue
         todo.append((rid, prompt, params))
+    lanes = _lanes(model, mesh, tokenizer, engine_kw)
     primary = is_primary()
     bar = Progress(len(todo) + len(errors), disable=not (progress and primary))
     summary = {"requests": 0, "tokens": 0, "errors": 0, "skipped": skipped}
     t0 = time.perf_counter()
     with open(output_path, "a") if primary else contextlib.nullcontext() as out:
         def write(rec):
-            if primary:
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
-                os.fsync(out.fileno())
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
             if "error" in rec:
                 summary["errors"] += 1
                 bar.update(error=True)
-
-        for rec in errors:
-            write(rec)
-        for rid, prompt, params in todo:
-            try:
-                engine.submit(prompt, params, request_id=rid)
-            except ValueError as e:
-                write({"id": rid, "error": str(e)})
-        while engine.has_work():
-            for req, _ in engine.step():
-                if req.finished is None:
-                    continue
-                if req.finish_reason.startswith("error"):
-                    write({"id": req.id, "error": req.finish_reason[len("error: "):]})
-                    continue
-                write(_result(req, tokenizer))
+            else:
                 summary["requests"] += 1
-                summary["tokens"] += len(req.output)
-                bar.update(tokens=len(req.output))
+                summary["tokens"] += len(rec["tokens"])
+                bar.update(tokens=len(rec["tokens"]))
+
+        if primary:
+            for rec in errors:
+                write(rec)
+        remote = _Remote(lanes.remote) if primary else None
+        for lane in lanes.local:
+            lane.submit(todo[lane.index::lanes.count])
+        while any(lane.engine.has_work() for lane in lanes.local):
+            for lane in lanes.local:
+                lane.step()
+            for lane in lanes.local:
+                lane.flush(write if primary else None)
+            if remote:
+                remote.drain(write, block=False)
+        for lane in lanes.local:
+            lane.finish()
+        stats = [lane.engine.stats() for lane in lanes.local]
+        if remote:
+            stats += remote.drain(write, block=True)
     bar.close()
+    _end_together(lanes.count > 1)
     summary["seconds"] = time.perf_counter() - t0
-    summary.update({k: v for k, v in engine.stats().items() if k not in summary})  # prefix-cache counters
+    summary.update({k: v for k, v in _merged_stats(stats).items() if k not in summary})  # prefix-cache counters
     summary["tokens_per_s"] = summary["tokens"] / max(summary["seconds"], 1e-9)
     return summary
+
+
+class _Lane:
+    """One replica's engine on this process: its requests, its finished records, and (on the
+    replica's leader, when that is not process 0) the channel they go to process 0 by."""
+
+    def __init__(self, index: int, engine: Engine, tokenizer, outbox=None):
+        self.index, self.engine, self.tokenizer, self.outbox, self.records = index, engine, tokenizer, outbox, []
+
+    def submit(self, share):
+        for rid, prompt, params in share:
+            try:
+                self.engine.submit(prompt, params, request_id=rid)
+            except ValueError as e:
+                self.records.append({"id": rid, "error": str(e)})
+
+    def step(self):
+        for req, _ in self.engine.step():
+            if req.finished is None:
+                continue
+            if req.finish_reason.startswith("error"):
+                self.records.append({"id": req.id, "error": req.finish_reason[len("error: "):]})
+            else:
+                self.records.append(_result(req, self.tokenizer))
+
+    def flush(self, write):
+        """Hand the finished records on: to `write` on process 0, to process 0 from a replica's
+        leader, nowhere from its other processes."""
+        if write is not None:
+            for rec in self.records:
+                write(rec)
+        elif self.outbox is not None and self.records:
+            self.outbox.send(["records", self.records])
+        self.records = []
+
+    def finish(self):
+        if self.outbox is not None:
+            self.outbox.send(["done", self.engine.stats()])
+
+
+@dataclasses.dataclass
+class _Lanes:
+    count: int      # replicas in all
+    local: list     # _Lane per replica this process holds devices of
+    remote: list    # the leaders of the replicas without process 0, by replica index (process 0 only)
+
+
+def _channel(index: int, leader: int):
+    return Messages(f"batch/replica{index}", sender=leader, receivers=[0])
+
+
+def _lanes(model, mesh, tokenizer, engine_kw) -> _Lanes:
+    from sharding.replicas import on_replica, replicas
+
+    if mesh is None or mesh.shape.get("data", 1) == 1:
+        return _Lanes(1, [_Lane(0, Engine(model, tokenizer=tokenizer, **engine_kw), tokenizer)], [])
+    reps, me = replicas(mesh), jax.process_index()
+    local = [_Lane(r.index, Engine(model.replace(params=on_replica(model.params, r)), tokenizer=tokenizer, **engine_kw),
+                   tokenizer, _channel(r.index, me) if r.leader == me != 0 else None) for r in reps if r.local]
+    remote = [(r.index, r.leader) for r in reps if r.leader != 0] if me == 0 else []
+    return _Lanes(len(reps), local, remote)
+
+
+class _Remote:
+    """On process 0: the records the other replicas' leaders send, gathered by one thread per
+    replica into one queue."""
+
+    def __init__(self, leaders):
+        self.queue, self.open, self.stats = queue.SimpleQueue(), len(leaders), []
+        for index, leader in leaders:
+            threading.Thread(target=self._receive, args=(_channel(index, leader),), daemon=True,
+                             name=f"kimik3-replica{index}").start()
+
+    def _receive(self, channel):
+        while True:
+            message = channel.receive()
+            self.queue.put(message)
+            if message[0] == "done":
+                return
+
+    def drain(self, write, block: bool) -> list:
+        """Write what arrived; with `block`, until every replica said it is done. The engine
+        stats of those that are done."""
+        while self.open:
+            try:
+                kind, value = self.queue.get(block=block)
+            except queue.Empty:
+                break
+            if kind == "records":
+                for rec in value:
+                    write(rec)
+            else:
+                self.open -= 1
+                self.stats.append(value)
+        return self.stats
+
+
+def _end_together(replicated: bool) -> None:
+    """Data-parallel replicas finish at different times: the others wait until process 0 wrote
+    the last record (its exit must not find them gone, nor they it)."""
+    if not replicated or jax.process_count() == 1:
+        return
+    end = Messages("batch/end")
+    if is_primary():
+        end.send(True)
+    else:
+        end.receive()
+
+
+def _merged_stats(stats: list) -> dict:
+    """The replicas' engine counters added up (the hit rate recomputed; other ratios: the first's)."""
+    out = dict(stats[0])
+    if len(stats) == 1:
+        return out
+    for s in stats[1:]:
+        for k, v in s.items():
+            if isinstance(v, int) and not isinstance(v, bool) and k != "spec_depth":
+                out[k] += v
+    out["prefix_hit_rate"] = out["prefix_hit_tokens"] / max(out["prompt_tokens"], 1)
+    return out
 
 
 def _result(req, tokenizer) -> dict:

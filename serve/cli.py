@@ -127,6 +127,13 @@ def add_mesh_flags(p):
     add_process_flags(p)
 
 
+def add_data_parallel_flag(p):
+    p.add_argument("--data-parallel", type=_positive, default=1, metavar="N",
+                   help="data-parallel replicas: N copies of the --tensor x --dcp mesh (devices used: N x tensor x "
+                        "dcp; over several processes the replicas split the processes first), each with its own "
+                        "engine, slots and scheduler; the requests are dealt out to them")
+
+
 def add_process_flags(p):
     """One mesh over several processes (hosts): README "Several hosts" has the launch recipe."""
     p.add_argument("--coordinator", metavar="HOST:PORT", default=None,
@@ -171,6 +178,8 @@ def start_processes(args) -> bool:
 
     joined = sharding.initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
                                              getattr(args, "process_id", None))
+    if joined:  # a process that fails tells the others (main's handler): they stop too, with one line
+        sharding.distributed.watch_failures()
     if joined and getattr(args, "speculative", None) and getattr(args, "num_speculative_tokens", None) == "auto":
         raise UsageError("--num-speculative-tokens auto picks depths by timing, which differs between processes: "
                          "give a depth (1..7) for a multi-process run")
@@ -178,18 +187,20 @@ def start_processes(args) -> bool:
 
 
 def make_mesh(args):
-    """The --tensor x --dcp mesh (None for one device in one process; over several processes it
-    must use every device), or UsageError when the devices do not fit it."""
+    """The --data-parallel x --tensor x --dcp mesh (None for one device in one process; over
+    several processes it must use every device), or UsageError when the devices do not fit it."""
     import jax
     import sharding
 
-    if args.tensor == 1 and args.dcp == 1 and jax.process_count() == 1:
+    data = getattr(args, "data_parallel", 1)
+    if data == 1 and args.tensor == 1 and args.dcp == 1 and jax.process_count() == 1:
         return None
 
     try:
-        return sharding.make_mesh(tensor=args.tensor, dcp=args.dcp)
+        return sharding.make_mesh(data=data, tensor=args.tensor, dcp=args.dcp)
     except ValueError as e:
-        raise UsageError(f"--tensor {args.tensor} --dcp {args.dcp}: {e}") from None
+        flags = f"--data-parallel {data} " if data > 1 else ""
+        raise UsageError(f"{flags}--tensor {args.tensor} --dcp {args.dcp}: {e}") from None
 
 
 def load_model(args, kind: str, mesh=None):
@@ -207,6 +218,8 @@ def load_model(args, kind: str, mesh=None):
         origin = f"random weights, seed {args.seed}"
     if mesh is not None:
         origin += f"; mesh tensor={args.tensor} dcp={args.dcp}"
+        if mesh.shape["data"] > 1:
+            origin += f", {mesh.shape['data']} data-parallel replicas"
         if mesh.devices.size > len(mesh.local_devices):
             origin += f" over {len({d.process_index for d in mesh.devices.flat})} processes"
     return _with_mla_cache(model, args), tok, origin
@@ -305,7 +318,7 @@ def _batch(args) -> int:
     model, tok, origin = load_model(args, kind, mesh)
     if sharding.is_primary():
         print(f"kimik3 batch: model {model.cfg.name} ({origin})", file=sys.stderr)
-    summary = run_batch(model, args.input, args.output, tok, dcp_axes=_dcp_axes(args),
+    summary = run_batch(model, args.input, args.output, tok, mesh=mesh, dcp_axes=_dcp_axes(args),
                         defaults=dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed),
                         max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
@@ -339,6 +352,7 @@ def _add_batch(sub):
     b.add_argument("--num-speculative-tokens", type=speculative_depth, default="auto",
                    help="draft depth: auto (chosen by measured tokens per second; 0 = off) or 1..7")
     add_mesh_flags(b)
+    add_data_parallel_flag(b)
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     add_common_flags(b)
     b.set_defaults(run=_batch)
@@ -405,7 +419,23 @@ def main(argv=None) -> int:
         user = isinstance(e, (UsageError, ValueError, OSError))
         hint = "" if isinstance(e, UsageError) else " (--debug shows the traceback)"
         print(f"kimik3: {_one_line(e)}{hint}", file=sys.stderr)
+        stop_processes(_one_line(e), 2 if user else 1)
         return 2 if user else 1
+
+
+def stop_processes(line: str, status: int) -> None:
+    """In a multi-process run, after this process failed with `line`: tell the others (they stop
+    with one line each, wherever they wait) and exit now (the exit-time shutdown would wait for
+    them). Nothing in a single-process run."""
+    jax = sys.modules.get("jax")
+    if jax is None or not jax.distributed.is_initialized():
+        return
+    from sharding.distributed import announce_failure
+
+    announce_failure(line, status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from .cli import UsageError, add_process_flags, speculative_depth
+from .cli import UsageError, add_data_parallel_flag, add_process_flags, speculative_depth
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None = "tiny"):
@@ -40,23 +40,29 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None =
 
 
 def engine_factory(args):
-    """(factory, tokenizer, model name, devices) from add_engine_arguments' flags: the weights are
-    loaded once, factory() builds a fresh Engine over them. ValueError on bad flags."""
+    """(factory, tokenizer, model name, devices per replica, mesh) from add_engine_arguments'
+    flags: the weights are loaded once, factory(replica=None) builds a fresh Engine over them (on
+    one data-parallel replica's sub-mesh when given one). ValueError on bad flags."""
+    from sharding.replicas import on_replica
+
     from .cli import check_model_flags, load_model, make_mesh
     from .engine import Engine  # JAX is imported when an engine is built, not when flags are parsed
 
-    model, tokenizer, _ = load_model(args, check_model_flags(args), make_mesh(args))
+    mesh = make_mesh(args)
+    model, tokenizer, _ = load_model(args, check_model_flags(args), mesh)
     dcp_axes = ("dcp",) if args.dcp > 1 else ()
 
-    def factory():
-        return Engine(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
+    def factory(replica=None):
+        weights = model if replica is None else model.replace(params=on_replica(model.params, replica))
+        return Engine(weights, max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
                       num_pages=args.num_pages, prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
                       tokenizer=tokenizer, dcp_axes=dcp_axes, speculative=args.speculative,
                       num_speculative_tokens=args.num_speculative_tokens)
 
-    factory()  # engine settings are checked now, before anything is served
+    if getattr(args, "data_parallel", 1) == 1:
+        factory()  # engine settings are checked now, before anything is served
     name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
-    return factory, tokenizer, name, args.tensor * args.dcp
+    return factory, tokenizer, name, args.tensor * args.dcp, mesh
 
 
 def add_parser(subparsers):
@@ -69,6 +75,7 @@ def add_parser(subparsers):
                    help="the model name clients send (default: the preset's name or the checkpoint directory's)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may queue for a decode slot; beyond it the server answers 503")
+    add_data_parallel_flag(p)  # process 0 serves HTTP and dispatches to the replicas
     add_process_flags(p)  # process 0 serves HTTP; the others step their engines with it
     p.set_defaults(run=_serve)
     return p
@@ -84,25 +91,82 @@ def _serve(args) -> int:
         print(f"kimik3 serve needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"",
               file=sys.stderr)
         return 2
-    from sharding.distributed import Messages, is_primary
-
-    from .async_engine import follow
-    from .cli import start_processes
+    from .cli import start_processes, stop_processes
     try:
-        several = start_processes(args)
-        factory, tokenizer, name, devices = engine_factory(args)
-        if not is_primary():  # every step's inputs come from process 0
-            print(f"kimik3 serve: following process 0 on {devices} device(s)", file=sys.stderr)
-            follow(factory(), Messages("serve"))
+        start_processes(args)
+        factory, tokenizer, name, devices, mesh = engine_factory(args)
+        front = _start_replicas(args, factory, mesh, AsyncEngine)
+        if front is None:  # this process steps engines for process 0 until it stops
             return 0
-        aengine = AsyncEngine(factory(), max_waiting=args.max_waiting, followers=Messages("serve") if several else None)
     except (ValueError, FileNotFoundError, UsageError) as e:
         print(f"kimik3: {e}", file=sys.stderr)
+        stop_processes(str(e), 2)
         return 2
     name = args.served_model_name or name
-    print(f"kimik3 serve: model {name!r} on {devices} device(s), http://{args.host}:{args.port}/v1", file=sys.stderr)
+    replicas = f"{args.data_parallel} data-parallel replicas of " if args.data_parallel > 1 else ""
+    print(f"kimik3 serve: model {name!r} on {replicas}{devices} device(s), http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    server = uvicorn.Server(uvicorn.Config(build_app(front, tokenizer, name, devices), host=args.host, port=args.port,
+                                           log_level="info"))
+
+    def stop():  # a multi-process engine failed for good: the server stops (requests in flight were failed)
+        server.config.timeout_graceful_shutdown = 5
+        server.should_exit = True
+    front.on_fatal = stop
     try:
-        uvicorn.run(build_app(aengine, tokenizer, name, devices), host=args.host, port=args.port, log_level="info")
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on (uvicorn.run swallows it too)
+        pass
     finally:
-        aengine.close()
+        front.close()
+    if not server.started:
+        line = f"the server did not start on {args.host}:{args.port} (uvicorn's log above says why)"
+        print(f"kimik3: {line}", file=sys.stderr)
+        stop_processes(line, 1)
+        return 1
+    if front.fatal is not None:
+        line = (f"process 0: {front.fatal}: the multi-process server stopped (its processes cannot step on "
+                "without one another); restart every process")
+        print(f"kimik3: {line}", file=sys.stderr)
+        stop_processes(line, 1)
+        return 1
     return 0
+
+
+def _start_replicas(args, factory, mesh, AsyncEngine):
+    """This process's part of the server: on process 0 the front the HTTP app drives (replica 0's
+    AsyncEngine, or a Dispatcher over every data-parallel replica); None elsewhere, after stepping
+    its replicas' engines until process 0 stops them (a replica's leader serves it to process 0,
+    the replica's other processes follow their leader)."""
+    import asyncio
+
+    import jax
+    from sharding.distributed import Messages
+    from sharding.replicas import replicas
+
+    from .async_engine import follow
+    from .replicas import Dispatcher, RemoteReplica, serve_replica
+
+    reps = replicas(mesh) if args.data_parallel > 1 else [None]
+    me = jax.process_index()
+    local, engines = [r for r in reps if r is None or r.local], {}
+    for r in local:
+        group = tuple(range(jax.process_count())) if r is None else r.processes
+        index, leader = (0, 0) if r is None else (r.index, r.leader)
+        followers = Messages(f"serve/replica{index}", sender=leader, receivers=[p for p in group if p != leader])
+        if me != leader:
+            print(f"kimik3 serve: process {me} following process {leader} (replica {index})", file=sys.stderr)
+            follow(factory(r), followers)
+            return None
+        engines[index] = AsyncEngine(factory(r), max_waiting=args.max_waiting,
+                                     followers=followers if len(group) > 1 else None)
+    if me != 0:
+        async def serve_all():
+            await asyncio.gather(*(serve_replica(a, i, me) for i, a in engines.items()))
+        asyncio.run(serve_all())
+        return None
+    if len(reps) == 1:
+        return engines[0]
+    def check(prompt, params):  # the checks of Engine.submit (a Request for process 0's side), nothing queued
+        return engines[0].engine._request(prompt, params, None)
+    return Dispatcher([engines[r.index] if r.leader == 0 else RemoteReplica(r.index, r.leader, check) for r in reps])

@@ -23,7 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_engine import AsyncEngine, QueueFull
+from .async_engine import AsyncEngine, EngineStopped, QueueFull
 from .engine import SamplingParams
 
 
@@ -311,6 +311,8 @@ def build_app(aengine: AsyncEngine, tokenizer, model_name: str, devices: int = 1
             return await aengine.submit(prompt, params)
         except QueueFull as e:
             raise APIError(503, f"server overloaded: {e}", None, "server_overloaded")
+        except EngineStopped as e:
+            raise APIError(503, str(e), None, "server_error")
         except ValueError as e:
             raise APIError(400, str(e), None)
 

@@ -6,10 +6,12 @@ start-up goes wrong into one line on every process instead of an abort or a hang
 that cannot be reached, processes that disagree on how many they are, a process that never joins.
 `host_value` reads an array back to numpy on every process, however it is sharded;
 `broadcast_json` sends process 0's value to all once, `Messages` a stream of them (a server's
-step inputs).
+step inputs, a replica's results); `announce_failure` / `watch_failures` end every process, with
+one line each, when one of them fails.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -126,9 +128,7 @@ def _check_counts(n: int, pid: int, timeout_s: float) -> None:
     """Every process must have been told the same number of processes: each publishes its count
     in the coordinator's key-value store and compares with everyone's (JAX itself starts with
     mismatched counts and fails later, or hangs, at the first collective)."""
-    from jax._src import distributed as dist
-
-    client = dist.global_state.client
+    client = _client()
     client.key_value_set(f"kimik3/num_processes/{pid}", str(n))
     seen = jax.process_count()
     for other in range(min(n, seen)):
@@ -206,35 +206,117 @@ def broadcast_json(value):
     return json.loads(bytes(multihost_utils.broadcast_one_to_all(buf)).decode())
 
 
+def _client():
+    from jax._src import distributed as dist
+
+    return dist.global_state.client
+
+
+def _deadline_exceeded(e: Exception) -> bool:
+    """The runtime's error for a blocking get that found nothing in time (only that means "not yet")."""
+    return "DEADLINE_EXCEEDED" in str(e).upper()
+
+
 class Messages:
-    """Process 0 `send`s JSON values, every other process `receive`s them in the same order:
-    through the coordinator's key-value store, so no device program runs (nothing compiles, any
-    length) and a receiver may wait as long as process 0 has nothing to say. Each receiver
-    deletes its copy once read."""
+    """`sender` (default process 0) `send`s JSON values, each of `receivers` (default every other
+    process) `receive`s them in the same order: through the coordinator's key-value store, so no
+    device program runs (nothing compiles, any length) and a receiver may wait as long as the
+    sender has nothing to say. Each receiver deletes its copy once read."""
 
-    def __init__(self, name: str, poll_s: float = 60.0):
-        from jax._src import distributed as dist
-
-        self.client, self.name, self.n, self.poll_ms = dist.global_state.client, name, 0, int(poll_s * 1000)
+    def __init__(self, name: str, poll_s: float = 60.0, sender: int = 0, receivers=None):
+        self.client, self.name, self.n, self.poll_ms = _client(), name, 0, int(poll_s * 1000)
+        self.receivers = [p for p in range(jax.process_count()) if p != sender] if receivers is None else list(receivers)
 
     def _key(self, pid: int) -> str:
         return f"kimik3/{self.name}/{pid}/{self.n}"
 
     def send(self, value) -> None:
         data = json.dumps(value)
-        for pid in range(1, jax.process_count()):
+        for pid in self.receivers:
             self.client.key_value_set(self._key(pid), data)
         self.n += 1
 
-    def receive(self):
+    def receive(self, timeout_s: float | None = None):
+        """The next value; with `timeout_s`, `None` once that passed without one."""
         key = self._key(jax.process_index())
+        wait_ms = self.poll_ms if timeout_s is None else max(1, int(timeout_s * 1000))
         while True:
             try:
-                data = self.client.blocking_key_value_get(key, self.poll_ms)
+                data = self.client.blocking_key_value_get(key, wait_ms)
                 break
-            except Exception as e:  # the runtime's error type; only a deadline means "nothing yet"
-                if "DEADLINE_EXCEEDED" not in str(e).upper():
+            except Exception as e:  # the runtime's error type
+                if not _deadline_exceeded(e):
                     raise
+                if timeout_s is not None:
+                    return None
         self.client.key_value_delete(key)
         self.n += 1
         return json.loads(data)
+
+
+FAILED_KEY = "kimik3/failed"
+_failing = threading.Event()  # this process announced its own failure: its watcher stays quiet
+
+
+def announce_failure(line: str, status: int = 1, wait_s: float = 10.0) -> None:
+    """Tell every other process that this one failed (`line`: what went wrong, one line); their
+    `watch_failures` threads end them with `status`. Returns once they all saw it (or after
+    `wait_s`: the coordinator lives in process 0, which may exit right after). Does nothing in a
+    single-process run; never raises."""
+    if jax.process_count() == 1:
+        return
+    _failing.set()
+    me = jax.process_index()
+    try:
+        client = _client()
+        client.key_value_set(FAILED_KEY, json.dumps([me, line, status]))
+    except Exception:  # another process failed first (the key exists), or the coordinator is gone
+        return
+    deadline = time.monotonic() + wait_s
+    for pid in range(jax.process_count()):
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if pid == me or left_ms <= 0:
+            continue
+        try:
+            client.blocking_key_value_get(f"{FAILED_KEY}/seen/{pid}", left_ms)
+        except Exception:
+            pass
+
+
+def watch_failures(poll_s: float = 1.0) -> threading.Thread | None:
+    """A daemon thread that ends this process with one line on stderr as soon as another process
+    `announce_failure`s: a process waiting in a collective, or for a message, of a process that
+    failed would otherwise wait forever. It ends at exit, before JAX's own shutdown (a thread
+    still inside the runtime's client then would abort the process). None in a single-process run."""
+    if jax.process_count() == 1:
+        return None
+    client, me, done = _client(), jax.process_index(), threading.Event()
+
+    def watch():
+        while not done.is_set():
+            try:
+                who, line, status = json.loads(client.blocking_key_value_get(FAILED_KEY, int(poll_s * 1000)))
+            except Exception as e:
+                if _deadline_exceeded(e):
+                    continue
+                return  # the coordinator is gone (a normal shutdown, or process 0 died): JAX reports it
+            if who == me:
+                return
+            if not _failing.is_set():
+                print(f"kimik3: process {me}: stopping because process {who} failed: {line} (fix that and restart "
+                      "every process)", file=sys.stderr, flush=True)
+            try:
+                client.key_value_set(f"{FAILED_KEY}/seen/{me}", "1")
+            finally:
+                if not _failing.is_set():  # else this process is already on its way out with its own line
+                    os._exit(status)
+            return
+
+    thread = threading.Thread(target=watch, name="kimik3-failure-watch", daemon=True)
+    thread.start()
+
+    def stop():
+        done.set()
+        thread.join(timeout=2 * poll_s)
+    atexit.register(stop)  # runs before jax.distributed's shutdown, registered when it joined
+    return thread

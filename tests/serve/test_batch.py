@@ -8,6 +8,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from tests import paths
 from tests.sharding.processes import cpu_env, finish, free_port, process_flags
 
@@ -172,10 +173,12 @@ def test_progress_bar_shows_requests_tokens_per_s_and_errors(tmp_path, tiny_mode
     assert "3/3 requests" in err and "tok/s, 1 errors" in err and "[00:" in err
 
 
-def test_two_processes_kill_and_resume(tmp_path, tiny_models):
-    """`kimik3 batch` over 2 processes x 4 CPU devices (one TP8 mesh; process 0 reads the input
-    and writes the output): SIGKILL both mid-run, add a torn line, rerun both: every id once, and
-    the greedy tokens of one process on one device."""
+@pytest.mark.parametrize("mesh", [["--tensor", "8"], ["--data-parallel", "2", "--tensor", "4"]], ids=["tp8", "dp2_tp4"])
+def test_two_processes_kill_and_resume(tmp_path, tiny_models, mesh):
+    """`kimik3 batch` over 2 processes x 4 CPU devices, as one TP8 mesh or as 2 data-parallel
+    replicas of TP4 (one per process, each its own engine; process 1 sends its results to process
+    0), process 0 reading the input and writing the output: SIGKILL both mid-run, add a torn line,
+    rerun both: every id once, and the greedy tokens of one process on one device."""
     import kimik3
 
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -187,7 +190,7 @@ def test_two_processes_kill_and_resume(tmp_path, tiny_models):
 
     def two_processes():
         port = free_port()
-        return [subprocess.Popen(_cmd(inp, out) + ["--tensor", "8"] + process_flags(pid, 2, port), env=cpu_env(4),
+        return [subprocess.Popen(_cmd(inp, out) + mesh + process_flags(pid, 2, port), env=cpu_env(4),
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for pid in range(2)]
 
     procs = two_processes()

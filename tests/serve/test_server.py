@@ -16,7 +16,7 @@ from kimik3.tokenizer import ByteTokenizer
 from serve import Engine
 from serve.async_engine import AsyncEngine
 from serve.server import ServerThread, TextStream, build_app
-from tests.sharding.processes import cpu_env, finish, free_port, process_flags
+from tests.sharding.processes import cpu_env, finish, free_port, process_flags, wait_for_health
 
 ENGINE_SHAPE = dict(max_batch=4, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=2)
 
@@ -276,26 +276,22 @@ def test_a_failing_engine_step_fails_its_requests_not_the_server(served):
     engine.check_pages()
 
 
-def test_two_processes_serve_one_mesh(model):
-    """`kimik3 serve` over 2 processes x 4 CPU devices (TP8): process 0 answers HTTP, process 1
-    steps its engine with process 0's submissions and cancellations. Concurrent greedy requests,
-    one cancelled by a client disconnect mid-stream and one sent after it, get the one-device
-    tokens; SIGINT to process 0 ends both cleanly."""
+@pytest.mark.parametrize("mesh", [["--tensor", "8"], ["--data-parallel", "2", "--tensor", "4"]], ids=["tp8", "dp2_tp4"])
+def test_two_processes_serve_one_mesh(model, mesh):
+    """`kimik3 serve` over 2 processes x 4 CPU devices, TP8 or 2 data-parallel replicas of TP4:
+    process 0 answers HTTP; with TP8 process 1 steps its engine with process 0's submissions and
+    cancellations, with replicas process 0 dispatches requests to its own engine and to process
+    1's. Concurrent greedy requests, one cancelled by a client disconnect mid-stream and one sent
+    after it, get the one-device tokens; SIGINT to process 0 ends both cleanly."""
     port, http = free_port(), free_port()
-    cmd = [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--tensor", "8", "--port", str(http),
+    cmd = [sys.executable, "-m", "serve", "serve", "--model", "tiny", *mesh, "--port", str(http),
            "--max-batch", "4", "--max-seq-len", "64", "--page-size", "8", "--prefill-chunk", "32",
            "--decode-steps", "4"]  # test_batch's 2-process engine: its programs are in the compilation cache
     procs = [subprocess.Popen(cmd + process_flags(pid, 2, port), env=cpu_env(4), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for pid in range(2)]
     url = f"http://127.0.0.1:{http}"
     try:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_for_health(url, procs, 400)
         prompts, lengths = _prompts(3, 1), [3, 6, 9]
 
         async def complete(client, prompt, n):
@@ -316,11 +312,14 @@ def test_two_processes_serve_one_mesh(model):
                 return got[:3] + [await complete(c, prompts[0], 4)]
 
         got = asyncio.run(run())
+        health = httpx.get(url + "/health", timeout=10).json()
     finally:
         procs[0].send_signal(signal.SIGINT)
         status = finish(procs, 120)
     want = [kimik3.generate(model, [p], max_new_tokens=n)[0] for p, n in zip(prompts + prompts[:1], lengths + [4])]
     assert got == want
+    if "--data-parallel" in mesh:
+        assert health["replicas"] == 2 and health["steps"] > 0
     for pid, (rc, err) in enumerate(status):
         assert rc == 0, f"process {pid} exited {rc}: {err[-2000:]}"
 

@@ -30,6 +30,20 @@ def process_flags(pid: int, n: int, port: int) -> list[str]:
     return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(pid)]
 
 
+def wait_for_health(url: str, procs, timeout_s: float) -> None:
+    """Return once the server at `url` answers /health with 200, or a process exited, or after
+    `timeout_s` (the test's requests then fail and say why)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+
+
 def finish(procs, timeout_s: float) -> list[tuple[int, str]]:
     """(exit status, stderr) of each process; any still running at the deadline is killed and
     fails the test."""
