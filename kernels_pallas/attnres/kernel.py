@@ -26,7 +26,7 @@ F32 = jnp.float32
 
 def _kernel(*refs, n_bank, add, tokens, hidden, block_t, block_h, eps):
     bank = refs[:n_bank]
-    s_refs = refs[n_bank:n_bank + 1 + add]
+    stream = refs[n_bank:n_bank + 1 + add]  # the residual, then the pending delta if any
     c_ref, gain_ref, y_ref = refs[n_bank + 1 + add:n_bank + 4 + add]
     t0 = pl.program_id(0) * block_t
     mask = ((t0 + jnp.arange(block_t)) < tokens)[:, None]
@@ -40,9 +40,9 @@ def _kernel(*refs, n_bank, add, tokens, hidden, block_t, block_h, eps):
         for h, x in zip(slices, chunks):
             plgpu.store(ref.at[pl.ds(t0, block_t), h], x.astype(ref.dtype), mask=mask)
 
-    s = load(s_refs[0])
+    s = load(stream[0])
     if add:
-        s = [(a + b).astype(y_ref.dtype).astype(F32) for a, b in zip(s, load(s_refs[1]))]
+        s = [(a + b).astype(y_ref.dtype).astype(F32) for a, b in zip(s, load(stream[1]))]
         store(refs[-1], s)
     if n_bank:
         c = [c_ref[h].astype(F32)[None, :] for h in slices]
@@ -59,9 +59,9 @@ def _kernel(*refs, n_bank, add, tokens, hidden, block_t, block_h, eps):
             x = load(bank[j]) if j < n_bank else s
             sj = score(x)
             m_new = jnp.maximum(m, sj)
-            a, b = jnp.exp(m - m_new)[:, None], jnp.exp(sj - m_new)[:, None]
-            den = den * a[:, 0] + b[:, 0]
-            acc = [u * a + b * v for u, v in zip(acc, x)]
+            a, b = jnp.exp(m - m_new), jnp.exp(sj - m_new)
+            den = den * a + b
+            acc = [u * a[:, None] + b[:, None] * v for u, v in zip(acc, x)]
             m = m_new
         h = [(u / den[:, None]).astype(y_ref.dtype).astype(F32) for u in acc]
     else:
