@@ -25,3 +25,7 @@ from .moe import tile_metadata as moe_gmm_tile_metadata  # noqa: E402
 
 __all__ += ["GmmConfig", "MXFP4Weight", "MXFP4PairedWeight", "pair_mxfp4", "moe_gmm",
             "moe_gmm_glu", "moe_gmm_glu_reference", "moe_gmm_reference", "moe_gmm_tile_metadata"]
+
+from .attnres import NormConfig, attn_res_norm, attn_res_norm_reference  # noqa: E402
+
+__all__ += ["NormConfig", "attn_res_norm", "attn_res_norm_reference"]

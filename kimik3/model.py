@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharding.kda import kda_cache_specs
 from .config import Config
-from .layers.attnres import AttnResMix
-from .layers.common import F32, INIT_STD, RMSNorm, dense
+from .layers.attnres import mixed_norm
+from .layers.common import F32, INIT_STD, dense
 from .layers.kda import KDA, kda_cache_shapes
 from .layers.mla import MLA, mla_cache_shapes
 from .layers.moe import MLP, MoE
@@ -93,32 +93,27 @@ class DecoderLayer(nn.Module):
     index: int
 
     @nn.compact
-    def __call__(self, bank, p, cache, start, n_new, backend, page_table=None, dcp_axes=(),
+    def __call__(self, bank, p, pending, cache, start, n_new, backend, page_table=None, dcp_axes=(),
                  all_positions=False):
+        """The residual stream arrives as p + pending (the previous MLP's output, not yet added: the
+        add is fused into the next mix and norm) and leaves the same way."""
         cfg, i = self.cfg, self.index
         bs = cfg.attn_res_block_size
-        D, eps, pdt = cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype
         # attention side
-        if bs and bank:
-            h = AttnResMix(D, eps, pdt, name="self_attention_res")(bank + [p])
-        else:
-            h = p
+        x, p = mixed_norm(cfg, "self_attention_res", "input_layernorm", bank, p, pending, backend)
         if bs and i % bs == 0:  # write layer: freeze the finished block (or the embedding)
             bank, p = bank + [p], None
-        x = RMSNorm(D, eps, pdt, name="input_layernorm")(h)
         if cfg.layer_types[i] == "kda":
             a, cache = KDA(cfg, name="self_attn")(x, cache, n_new, backend, all_positions)
         else:
             a, cache = MLA(cfg, name="self_attn")(x, cache, start, n_new, backend, page_table, dcp_axes)
-        p = a if p is None else p + a
-        # MLP side
-        y = AttnResMix(D, eps, pdt, name="mlp_res")(bank + [p]) if bs else p
-        y = RMSNorm(D, eps, pdt, name="post_attention_layernorm")(y)
+        # MLP side: the stream is p + a (a alone right after a write layer)
+        y, p = mixed_norm(cfg, "mlp_res", "post_attention_layernorm", bank, p, a, backend)
         if cfg.is_moe_layer(i):
             m = MoE(cfg, name="block_sparse_moe")(y, backend)
         else:
             m = MLP(cfg, cfg.intermediate_size, name="mlp")(y)
-        return bank, p + m, cache
+        return bank, p, m, cache
 
 
 class KimiLM(nn.Module):
@@ -145,17 +140,14 @@ class KimiLM(nn.Module):
                          embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0),
                                                                      ("vocab", "embed")),
                          name="embed_tokens")
-        bank, p = [], embed(tokens)
+        bank, p, pending = [], embed(tokens), None
         new_layers = []
         for i in range(cfg.num_layers):
             entry = None if cache_layers is None else cache_layers[i]
-            bank, p, entry = DecoderLayer(cfg, i, name=f"layers_{i}")(bank, p, entry, start, n_new, backend,
-                                                                      page_table, dcp_axes, all_positions)
+            bank, p, pending, entry = DecoderLayer(cfg, i, name=f"layers_{i}")(
+                bank, p, pending, entry, start, n_new, backend, page_table, dcp_axes, all_positions)
             new_layers.append(entry)
-        if cfg.attn_res_block_size:
-            p = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype,
-                           name="output_attn_res")(bank + [p])
-        z = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype, name="norm")(p)
+        z, _ = mixed_norm(cfg, "output_attn_res", "norm", bank, p, pending, backend)
         if cfg.tie_word_embeddings:
             logits = embed.attend(z)
         else:

@@ -1,15 +1,16 @@
 """Block Attention Residuals (K3): a softmax over depth mixes the stored block sums and the running
-partial sum before each attention, each MLP and the final norm.
-
-Mix(rows, g, w): k_j = row_j * rsqrt(mean(row_j^2) + eps); score_j = sum_h k_j[h] g[h] w[h];
-p = softmax_j(score) (fp32); mixture = sum_j p_j row_j in fp32, rounded to the model dtype
-(the reference's rounding point). State machine: reference/k3_checkpoint.md section 3.
+partial sum before each attention, each MLP and the final norm. The math (`attn_res_mix`) and its
+fused kernel with the RMSNorm after it live in kernels_pallas/attnres; state machine:
+reference/k3_checkpoint.md section 3.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import flax.linen as nn
+
+from kernels_pallas import resolve_backend
+from kernels_pallas.attnres import attn_res_mix, attn_res_norm, residual_sum
+from .common import RMSNorm
 
 F32 = jnp.float32
 
@@ -19,21 +20,32 @@ class AttnResMix(nn.Module):
     eps: float
     param_dtype: jnp.dtype = F32
 
-    @nn.compact
-    def __call__(self, rows: list):
-        g = self.param("norm", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (self.dim,),
-                       self.param_dtype)
+    def setup(self):
+        self.norm = self.param("norm", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                               (self.dim,), self.param_dtype)
         # HF stores the pseudo-query as a Linear [1, H]; kept here as a vector.
-        w = self.param("proj", nn.with_logical_partitioning(nn.initializers.normal(0.1), ("embed",)),
-                       (self.dim,), self.param_dtype)
-        return attn_res_mix(rows, g, w, self.eps)
+        self.proj = self.param("proj", nn.with_logical_partitioning(nn.initializers.normal(0.1), ("embed",)),
+                               (self.dim,), self.param_dtype)
+
+    def __call__(self, rows: list):
+        return attn_res_mix(rows, self.norm, self.proj, self.eps)
+
+    def weights(self):
+        """(key-norm gain, pseudo-query), for the fused kernel."""
+        return self.norm, self.proj
 
 
-def attn_res_mix(rows, g, w, eps):
-    out_dtype = rows[-1].dtype
-    R = jnp.stack([r.astype(F32) for r in rows], axis=-2)  # [..., n, H]
-    r = jax.lax.rsqrt(jnp.mean(R * R, axis=-1) + eps)
-    c = g.astype(F32) * w.astype(F32)
-    scores = jnp.einsum("...nh,h->...n", R, c, precision=jax.lax.Precision.HIGHEST) * r
-    p = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("...n,...nh->...h", p, R, precision=jax.lax.Precision.HIGHEST).astype(out_dtype)
+def mixed_norm(cfg, mix_name: str, norm_name: str, bank: list, residual, delta, backend):
+    """(the RMSNorm `norm_name` of the AttnRes mix `mix_name` over bank + [s], s) where s is the
+    residual stream residual + delta (either may be None). No mix where the bank is empty or
+    AttnRes is off. The Pallas backends run it as one kernel with the add; s is bit-identical on
+    every backend."""
+    D, eps, pdt = cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype
+    mix = AttnResMix(D, eps, pdt, name=mix_name) if cfg.attn_res_block_size and bank else None
+    norm = RMSNorm(D, eps, pdt, name=norm_name)
+    if resolve_backend(backend) == "reference":
+        s = residual_sum(residual, delta)
+        return norm(mix(bank + [s]) if mix else s), s
+    g, w = mix.weights() if mix else (None, None)
+    return attn_res_norm(bank if mix else [], residual, delta, g, w, norm.gain(), eps=eps,
+                         backend=backend)

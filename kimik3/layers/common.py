@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from kernels_pallas.attnres.reference import rms_normalize
 from kernels_pallas.moe.reference import glu as moe_glu
 from sharding.rules import logical_axes
 
@@ -76,16 +77,16 @@ class RMSNorm(nn.Module):
     param_dtype: jnp.dtype = F32
     axis: str = "embed"
 
-    @nn.compact
+    def setup(self):
+        self.weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
+                                 (self.dim,), self.param_dtype)
+
     def __call__(self, x):
-        w = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
-                       (self.dim,), self.param_dtype)
-        return w.astype(x.dtype) * rms_normalize(x, self.eps)
+        return self.weight.astype(x.dtype) * rms_normalize(x, self.eps)
 
-
-def rms_normalize(x, eps):
-    xf = x.astype(F32)
-    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    def gain(self):
+        """The weight, for kernels that fuse the norm with what precedes it."""
+        return self.weight
 
 
 def glu(cfg, a, b):

@@ -97,3 +97,36 @@ def test_long_forward_uses_chunked_prefill_attention(monkeypatch):
     monkeypatch.setattr(mla_mod, "LONG_PREFILL", 16)  # force the no-T x T path at a small T
     chunked = layer.apply(params, x, None, n * 0, n)[0]
     assert jnp.max(jnp.abs(chunked - dense)) / jnp.max(jnp.abs(dense)) < 1e-5
+
+
+def test_write_layer_on_the_fused_attnres_norm_kernel():
+    """A bf16 K3-like decoder layer that freezes a block, on the fused AttnRes mix + RMSNorm
+    kernel (and the other kernels) vs the reference path: the frozen block (the residual stream
+    after the pending MLP add) is bit-identical, the layer's outputs agree to bf16 rounding."""
+    from kimik3.model import DecoderLayer
+
+    cfg = kimik3.Config.preset("tiny").replace(dtype="bfloat16", param_dtype="bfloat16")
+    i = cfg.attn_res_block_size  # the first write layer past the embedding's
+    B, T, D = 2, 5, cfg.hidden_size
+    rows = [jax.random.normal(jax.random.key(k), (B, T, D)).astype(jnp.bfloat16) for k in range(3)]
+    bank, p, pending = rows[:1], rows[1], rows[2]
+    n = jnp.full((B,), T, jnp.int32)
+    layer = DecoderLayer(cfg, i)
+    params = layer.init(jax.random.key(7), bank, p, pending, None, n * 0, n, "reference")
+    ref = layer.apply(params, bank, p, pending, None, n * 0, n, "reference")
+    out = layer.apply(params, bank, p, pending, None, n * 0, n, "interpret")
+    assert len(out[0]) == len(ref[0]) == 2
+    np.testing.assert_array_equal(np.asarray(out[0][1]).view(np.uint16),
+                                  np.asarray(ref[0][1]).view(np.uint16))
+    for a, b in zip(out[1:3], ref[1:3]):  # the new partial (the attention output) and the MLP's
+        assert jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)) < 2e-2
+
+
+def test_engine_greedy_tokens_on_the_pallas_kernels(tiny_greedy):
+    """The engine on every Pallas kernel (interpret mode), the fused AttnRes norm in prefill and
+    decode included, gives the reference path's greedy tokens."""
+    from serve import Engine
+
+    eng = Engine(tiny_greedy.model, max_batch=4, max_seq_len=64, page_size=8, prefill_chunk=16,
+                 decode_steps=3, backend="interpret")
+    assert eng.generate(tiny_greedy.prompts, max_new_tokens=8, stop_tokens=[]) == tiny_greedy.tokens
