@@ -5,6 +5,7 @@ import argparse
 import importlib
 import os
 import sys
+import tempfile
 
 # name -> module; each has add_args(parser), run(record, args) and a docstring (the help)
 BENCHMARKS = {"kda": "kda", "mla": "mla", "mla-prefill": "mla_prefill", "moe": "moe",
@@ -12,6 +13,7 @@ BENCHMARKS = {"kda": "kda", "mla": "mla", "mla-prefill": "mla_prefill", "moe": "
               "engine": "engine", "sharded": "sharded",
               "prefix-cache": "prefix_cache", "speculative": "speculative", "server": "server"}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SMOKE_OUT = os.path.join(tempfile.gettempdir(), "kimik3-benchmarks-smoke")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -21,9 +23,10 @@ def parser() -> argparse.ArgumentParser:
         mod = importlib.import_module(f"benchmarks.{module}")
         p = sub.add_parser(name, help=mod.__doc__.splitlines()[0], description=mod.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--out", default=RESULTS,
+        p.add_argument("--out", default=None,
                        help="directory for <name>.json (default: benchmarks/results, the "
-                            "committed results that BENCHMARKS.md is made from)")
+                            "committed results that BENCHMARKS.md is made from; with --smoke "
+                            f"{SMOKE_OUT}, so a CPU check never replaces a GPU result)")
         p.add_argument("--smoke", action="store_true",
                        help="CPU check of the code paths: tiny shapes, interpret-mode kernels, "
                             "no peer; its timings mean nothing")
@@ -45,6 +48,7 @@ def main(argv=None) -> int:
     if args.name in ("report", "resources"):
         return importlib.import_module(f"benchmarks.{args.name}").main(args) or 0
     mod = importlib.import_module(f"benchmarks.{BENCHMARKS[args.name]}")
+    args.out = args.out or (SMOKE_OUT if args.smoke else RESULTS)
     if hasattr(mod, "prepare_env"):  # before JAX starts a backend
         mod.prepare_env(args)
     from .common import Record

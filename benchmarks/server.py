@@ -44,7 +44,7 @@ def add_args(p):
                    help=f"which parts to run, of {','.join(PARTS)} (default all)")
 
 
-PARTS = ("overhead", "curve")
+PARTS = ("overhead", "curve-on", "curve-off")  # the curves are parts of their own: each takes minutes on the GPU
 
 
 def engine_kw(smoke):
@@ -138,5 +138,5 @@ def run(rec, args):
     rec.details.update(model=cfg.name, engine=engine_kw(smoke), init_s=time.perf_counter() - t)
     if "overhead" in args.parts:
         rec.guard("overhead", lambda: asyncio.run(overhead(rec, model, tok, args, smoke)))
-    for on in (True, False) if "curve" in args.parts else ():
+    for on in (on for on in (True, False) if f"curve-{'on' if on else 'off'}" in args.parts):
         rec.guard(f"curve prefix {'on' if on else 'off'}", curve, rec, model, tok, args, smoke, on)

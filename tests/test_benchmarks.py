@@ -3,6 +3,7 @@ interpret-mode kernels, no peer) writes a JSON the report renders, and BENCHMARK
 what `python -m benchmarks report` makes of the committed results. (`sharded` runs in its own
 subprocess: tests/test_bench_sharded.py.)"""
 import json
+import os
 
 import pytest
 
@@ -29,6 +30,11 @@ def test_report_ratios_commands_and_per_row_runs(tmp_path):
     assert "| s1 | 2.000 ms | 3.000 ms | 1.50x | 50.0% of copy | 2026-01-02 | GPU X | abc1234 | (1) |" in text
     assert "| s2 | 300.0 tokens/s | 100.0 tokens/s | 3.00x | - | 2026-01-02 | GPU X | def5678 | (2) |" in text
     assert "(2) `python -m benchmarks kda --sections decode`" in text
+    (tmp_path / "moe.json").write_text(json.dumps({**run, "benchmark": "moe", "rows": [
+        {**run["rows"][0], "area": "B"}, {**run["rows"][0], "area": "B", "shape": "s3"}]}))
+    text = report.render(report.load(str(tmp_path)))  # one run made both B rows: said once, under the heading
+    assert "## B vs P\n\n2026-01-02, GPU X, commit abc1234, command (1)\n\n| shape | ours | peer | ratio | % of limit |\n" in text
+    assert "| s3 | 2.000 ms | 3.000 ms | 1.50x | 50.0% of copy |\n" in text
     out = tmp_path / "B.md"
     assert main(["report", "--results", str(tmp_path), "--output", str(out), "--check"]) == 1
     assert main(["report", "--results", str(tmp_path), "--output", str(out)]) == 0
@@ -38,8 +44,17 @@ def test_report_ratios_commands_and_per_row_runs(tmp_path):
 @pytest.mark.parametrize("name", ["kda", "mla", "mla-prefill", "moe", "attnres", "engine"])
 def test_smoke_run(name, tmp_path):
     assert main([name, "--smoke", "--out", str(tmp_path)]) == 0
+
     run = json.loads((tmp_path / f"{name}.json").read_text())
     assert run["benchmark"] == name and run["smoke"] is True and run["errors"] == {}
     assert run["command"] == f"python -m benchmarks {name} --smoke --out {tmp_path}"
     assert run["rows"] and all(r["ours"] is not None and r["ours"] > 0 for r in run["rows"])
     report.render(report.load(str(tmp_path)))  # the report reads what the benchmark wrote
+
+
+def test_a_smoke_run_never_writes_the_committed_results():
+    from benchmarks.__main__ import RESULTS, SMOKE_OUT
+
+    assert main(["attnres", "--smoke"]) == 0
+    assert os.path.exists(os.path.join(SMOKE_OUT, "attnres.json"))
+    assert not os.path.exists(os.path.join(RESULTS, "attnres.json"))
