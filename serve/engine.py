@@ -272,6 +272,9 @@ class Engine:
                 req = self.waiting[0]
                 need = math.ceil((len(req.sequence) + 1) / self.page_size)
                 hit = self.prefix.lookup(req) if self.prefix else None  # pins the hit's pages
+                if hit is not None and self.prefix.wait_for_inflight(req, hit):
+                    self.prefix.unpin(hit)
+                    return  # a running prefill is computing this prompt's prefix: restore it once done
                 if hit is not None:
                     need -= self.prefix.shared_pages(hit)
                 if self.available_pages() - self._reserve() < need:

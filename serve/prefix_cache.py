@@ -12,6 +12,10 @@ Where checkpoints come from (the state exists only where a device call ends):
 * the prompt's last block boundary (vLLM's "align" position): a next prompt that shares the
   prompt's whole blocks but not its tail (a trace of block hashes, a re-rendered last message)
   still hits there instead of at an earlier interval checkpoint.
+* where a waiting request's prompt leaves a running request's prompt that is still being
+  prefilled: the waiting request is not admitted until that prefill has passed the point and
+  checkpointed it, then restores from there (agent sessions arriving together share a long system
+  prompt: without the wait each computes it, as the cache holds only what is already computed).
 Ends inside a block are "tail" nodes; a request extending one copies its partly filled last page
 before writing (copy-on-write). Cached pages are owned by the allocator owner CACHE; running
 requests pin the nodes whose pages they read. Eviction is LRU over both tiers: device pages and
@@ -42,6 +46,7 @@ class RequestCache:
     pinned: list = dataclasses.field(default_factory=list)
     junction: int = 0
     prompt_end: Node | None = None  # the node holding the checkpoint at the prompt's end
+    wanted: set = dataclasses.field(default_factory=set)  # where a waiting request will restore from
 
     @property
     def depth(self) -> int:
@@ -90,6 +95,19 @@ class PrefixCache:
         if hit.tail is not None and hit.tail.pages is not None:
             n += hit.tail.length // self.ps
         return n
+
+    def wait_for_inflight(self, req, hit: Hit) -> bool:
+        """True if a running request is still prefilling a prefix of req's prompt at least a block
+        longer than the hit: req should wait for it (the running one checkpoints that position)."""
+        seq = req.sequence
+        for r in self.eng.running:
+            if r.prefix is None or r.fed >= len(r.prompt) or r.prompt[:self.block] != seq[:self.block]:
+                continue
+            shared = common_prefix(seq, r.prompt, len(seq) - 1) // self.block * self.block
+            if shared >= hit.length + self.block and shared > r.fed:
+                r.prefix.wanted.add(shared)
+                return True
+        return False
 
     def unpin(self, hit: Hit):
         for n in hit.nodes:
@@ -166,7 +184,8 @@ class PrefixCache:
         boundary and its end stops at the boundary; the next call computes the tail)."""
         fed = req.fed
         nxt = (fed // self.interval + 1) * self.interval
-        cands = [c for c in (req.prefix.junction, len(req.prompt), self._aligned_end(req), nxt) if fed < c < end]
+        cands = [c for c in (req.prefix.junction, len(req.prompt), self._aligned_end(req), nxt, *req.prefix.wanted)
+                 if fed < c < end]
         return min(cands) if cands else end
 
     def after_step(self, req):
@@ -174,7 +193,7 @@ class PrefixCache:
         state if it ends at a checkpoint position."""
         seq, fed = req.sequence, req.fed
         self._commit(req, min(fed, len(seq)))
-        if 0 < fed <= len(seq) and (fed % self.interval == 0 or fed == req.prefix.junction
+        if 0 < fed <= len(seq) and (fed % self.interval == 0 or fed == req.prefix.junction or fed in req.prefix.wanted
                                     or fed in (len(req.prompt), self._aligned_end(req))):
             self._checkpoint(req, fed, final=False)
             if fed == len(req.prompt):
@@ -461,3 +480,16 @@ class PrefixCache:
             used = sum(i.nbytes for n in nodes for i in (n.host_pages, n.host_ckpt) if i is not None)
             if used != self.host.used or used > self.host.budget:
                 raise AssertionError(f"host tier holds {used} B but counts {self.host.used} B")
+
+
+def common_prefix(a: list, b: list, limit: int) -> int:
+    """Length of the longest common prefix of two token lists, at most `limit` (a binary search
+    over slice comparisons, which run in C)."""
+    lo, hi = 0, min(len(a), len(b), limit)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -257,6 +257,26 @@ def test_the_last_boundary_is_checkpointed_when_the_prompt_ends_in_the_same_chun
     assert out == Engine(model, **geometry, prefix_cache=False).generate([first, second], params=[params] * 2)
 
 
+def test_requests_arriving_together_wait_for_the_prefill_of_their_shared_prefix(model):
+    """Sessions arriving together with one long shared prefix (an agent's system prompt): the
+    first computes it, the others wait until its prefill has passed and checkpointed the point
+    where their prompts leave it, then restore from there instead of computing it again; the
+    tokens equal the cache-off engine's. A prompt sharing less than a block is not held."""
+    rng = np.random.RandomState(14)
+    shared = list(map(int, rng.randint(0, 256, 5 * BLOCK + 3)))
+    prompts = [shared + list(map(int, rng.randint(0, 256, 4 + 3 * i))) for i in range(3)]
+    prompts.append(list(map(int, rng.randint(0, 256, 20))))  # shares nothing
+    params = SamplingParams(max_new_tokens=4, stop_tokens=())
+    eng = Engine(model, **GEOMETRY, cache_block=BLOCK, checkpoint_interval=8 * BLOCK)
+    reqs = [eng.submit(p, params) for p in prompts]
+    while eng.has_work():
+        eng.step()
+        eng.check_pages()
+    assert [r.metrics["prefix_hit_tokens"] for r in reqs] == [0, 5 * BLOCK, 5 * BLOCK, 0]
+    assert [r.output for r in reqs] == Engine(model, **GEOMETRY, prefix_cache=False).generate(
+        prompts, params=[params] * len(prompts))
+
+
 def test_restored_request_equals_recomputed_and_preemption_keeps_blocks(model):
     """A pool so small that requests preempt each other: the preempted request's blocks and state
     go to the host tier (its pages are what the pool needed), it resumes from them, and the
