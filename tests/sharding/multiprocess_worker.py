@@ -111,6 +111,13 @@ def count_reads():
     return count
 
 
+def io_read_bytes() -> int:
+    """Bytes this process has read through read()/pread() so far (Linux /proc/self/io rchar):
+    Orbax reads through TensorStore's C++ I/O, which no Python hook sees."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
 def check_shards(model, ref) -> int:
     """How many of this process's shards differ from the same rows of `ref` (save_params's npz)."""
     import jax
@@ -151,7 +158,9 @@ def load_cases(hf_dir, params_path, orbax_dir) -> dict:
         out.update({f"{name}/bytes_read": count[0], f"{name}/owned": owned_bytes(model),
                     f"{name}/mismatches": check_shards(model, ref)})
     kimik3.save(model, orbax_dir)
+    before = io_read_bytes()
     restored = kimik3.load(orbax_dir, mesh=sharding.make_mesh(**LOAD_CASES["tp8"]))
+    out["orbax/bytes_read"] = io_read_bytes() - before
     out["orbax/mismatches"] = check_shards(restored, ref)
     return {k: np.asarray(v) for k, v in out.items()}
 
