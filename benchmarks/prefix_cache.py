@@ -23,6 +23,7 @@ import kimik3
 from serve import Engine, SamplingParams
 from serve.agentic_trace import coding_agent_sessions
 from serve.prefix_cache import PrefixCache
+from serve.launch import settle_heap
 from serve.replay import run_replay
 from .common import ints_arg, names_arg
 from .k3_slice import k3_slice
@@ -164,6 +165,7 @@ def run(rec, args):
     t = time.perf_counter()
     model = kimik3.init(k3_slice(args.depth, smoke), seed=0)
     jax.block_until_ready(model.params)
+    settle_heap()  # as the server does after loading
     rec.details.update(model=model.cfg.name, chunk=chunk, init_s=time.perf_counter() - t)
     trace = agent_trace(args, smoke)
     longest = max(t.input_length + t.output_length for s in trace for t in s.turns)

@@ -26,6 +26,7 @@ from kimik3.tokenizer import ByteTokenizer
 from serve import Engine
 from serve.agentic_trace import Session, Turn, coding_agent_sessions, write_trace
 from serve.async_engine import AsyncEngine
+from serve.launch import settle_heap
 from serve.replay import InProcess, OverHTTP, replay, run_replay, summarize
 from .common import ints_arg, names_arg
 from .k3_slice import k3_slice
@@ -134,6 +135,7 @@ def run(rec, args):
     cfg = k3_slice(args.depth, smoke)
     t = time.perf_counter()
     model = kimik3.init(cfg, seed=0)
+    settle_heap()  # as the server does after loading
     tok = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)  # output text is only decoded
     rec.details.update(model=cfg.name, engine=engine_kw(smoke), init_s=time.perf_counter() - t)
     if "overhead" in args.parts:

@@ -31,7 +31,7 @@ import numpy as np
 
 from .cache_ops import copy_page, padded_ids, read_pages, read_state, write_pages, write_state
 from .host_tier import HostTier
-from .prefix_index import Node, PrefixIndex
+from .prefix_index import Node, PrefixIndex, chain_key
 
 CACHE = "prefix-cache"  # allocator owner of the pages the cache holds
 WRITE_GROUPS = 32  # host-restored nodes written per device call
@@ -223,15 +223,17 @@ class PrefixCache:
 
     def _commit(self, req, known: int):
         rc, eng = req.prefix, self.eng
+        seq = req.sequence if rc.depth + self.block <= known else None  # a new list per access: once
         while rc.depth + self.block <= known:
             parent = rc.chain[-1] if rc.chain else self.index.root
             lo = rc.depth
-            toks = req.sequence[lo:lo + self.block]
-            node = self.index.child(parent, toks)
+            toks = seq[lo:lo + self.block]
+            key = chain_key(parent.key, toks)
+            node = parent.children.get(key)
             own = req.pages[lo // self.ps:(lo + self.block) // self.ps]
             if node is None:
                 self._take(own, req)
-                node = self.index.add_block(parent, toks, own)
+                node = self.index.add_block(parent, toks, own, key)
                 self._add_refs(node.pages)
             else:
                 self.index.touch(node)

@@ -63,8 +63,8 @@ class PrefixIndex:
     def child(self, parent: Node, tokens) -> Node | None:
         return parent.children.get(chain_key(parent.key, tokens))
 
-    def add_block(self, parent: Node, tokens, pages) -> Node:
-        key = chain_key(parent.key, tokens)
+    def add_block(self, parent: Node, tokens, pages, key: bytes | None = None) -> Node:
+        key = key or chain_key(parent.key, tokens)
         assert key not in parent.children
         node = Node(key, parent, parent.depth + len(tokens), len(tokens))
         node.pages = list(pages)
