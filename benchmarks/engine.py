@@ -1,16 +1,30 @@
-"""Engine decode throughput on a reduced K3 against its roofline.
+"""Engine decode and prefill on the first `--depth` layers of K3 with one TP8 rank's shapes.
 
-The model has the real per-layer shapes of one TP8 rank (12 KDA heads, 12 MLA heads, latent MoE
-with 896 MXFP4 experts of intermediate 3072/8, shared experts 2 x 3072/8, dense layer 0 at
-33792/8, vocab 163840/8) and 3 layers: a dense KDA layer, a KDA + MoE layer and an MLA + MoE
-layer. For each batch size it times steady-state decode calls of the engine (each call =
-`decode_steps` tokens per row on device) and compares with a roofline: the bytes one decode step
-must move (weights incl. the experts hit, KDA state read + write, MLA cache) over the copy
-bandwidth measured in the same run. First it checks that the engine's greedy tokens with the
-default (Pallas) kernels equal the plain-JAX reference on this device.
+The model is benchmarks/k3_slice.py's (12 KDA heads, 12 MLA heads, latent MoE with 896 MXFP4
+experts of intermediate 3072/8, shared experts 2 x 3072/8, dense layer 0 at 33792/8, vocab
+163840/8, K3's layer pattern with an MLA layer every 4th, AttnRes block 12, random weights), 12
+layers by default. First it checks that the engine's greedy tokens with the default (Pallas)
+kernels equal the plain-JAX reference on this device (the tiny preset).
 
-    python -m benchmarks engine [--batches 1,16,64,256] [--mla-cache auto,fp8] [--prompt-len 16]
-    python -m benchmarks engine --smoke     # CPU: the tiny preset, batch 1 and 2
+decode: for each batch size, steady-state decode calls of the engine (each call = 8 tokens a row
+on device) against a roofline: the bytes one decode step must move (weights, incl. the experts
+the batch's routings hit, KDA state read + write, MLA cache) over the copy bandwidth measured in
+the same run (in the details also at torch's copy rate, where torch has CUDA). With --profile,
+where a decode token's GPU time goes (JAX profiler, kernels classified by name: dense matmuls,
+MoE grouped matmul, KDA, MLA, norms/AttnRes, routing/sort, other XLA fusions, and the host gap =
+wall time - GPU busy time), per token, in the details and a compact line in each row's note.
+
+prefill: time to first token of one request with a `--prefill-lens` prompt (a second prompt,
+after a first one compiles), and its TFLOP/s (the linear layers' FLOPs plus MLA's causal attention
+and KDA's chunked delta rule: engine_metrics.prefill_flops says what is counted) as a percentage
+of the bf16 matmul peak of a large jnp.dot measured in the same run.
+
+    python -m benchmarks engine [--depth 12] [--mode decode,prefill] [--batches 1,16,64,256]
+        [--profile] [--mla-cache auto,fp8] [--prompt-len 16] [--prefill-lens 8192,32768]
+        [--ttft-chunk 4096]
+    python -m benchmarks engine --mode decode --batches 1,16,64 --profile
+    python -m benchmarks engine --mode prefill
+    python -m benchmarks engine --smoke     # CPU: the tiny preset, decode batch 2, a 64-token prompt
 """
 from __future__ import annotations
 
@@ -21,29 +35,40 @@ import numpy as np
 
 import kimik3
 from serve import Engine, SamplingParams
-from .common import ints_arg, jax_copy_Bps, names_arg
+from .common import ints_arg, jax_copy_Bps, names_arg, torch_copy_Bps_subprocess
+from .engine_metrics import decode_profile, jax_matmul_flops, prefill_flops, profile_note
+from .k3_slice import k3_slice
 
-SMOKE = False  # set by run()
+STEPS, CALLS, PROFILE_CALLS = 8, 4, 4  # decode tokens a call, timed calls, profiled calls
+TORCH_BW = None  # torch's copy rate (the issue's targets also quote it), set by prepare_env
 
 
 def add_args(p):
-    p.add_argument("--batches", type=ints_arg, default=None, help="batch sizes (default 1,16,64,256)")
+    p.add_argument("--depth", type=int, default=12, help="layers of the K3 slice (default 12)")
+    p.add_argument("--mode", type=names_arg, default=["decode", "prefill"],
+                   help="what to measure: decode, prefill or both (default decode,prefill)")
+    p.add_argument("--batches", type=ints_arg, default=None, help="decode batch sizes (default 1,16,64,256)")
+    p.add_argument("--profile", action="store_true",
+                   help="decode: per-token GPU time by kernel category from the JAX profiler "
+                        "(on with --smoke, where the CPU trace has no GPU plane and it is skipped)")
     p.add_argument("--mla-cache", type=names_arg, default=["auto"],
-                   help='MLA cache dtypes, each in turn ("fp8": e4m3 words)')
+                   help='MLA cache dtypes, each in turn for decode ("fp8": e4m3 words); prefill '
+                        "uses the last")
     p.add_argument("--prompt-len", type=int, default=16,
-                   help="tokens prefilled per row before decode (32768: a long MLA history)")
-    p.add_argument("--prefill-chunk", type=int, default=16, help="tokens a row per prefill call")
+                   help="decode: tokens prefilled per row before decode (32768: a long MLA history)")
+    p.add_argument("--prefill-chunk", type=int, default=16,
+                   help="decode: tokens a row per prefill call before the timed decode")
+    p.add_argument("--prefill-lens", type=ints_arg, default=None,
+                   help="prefill: prompt lengths (default 8192,32768; 64 with --smoke)")
+    p.add_argument("--ttft-chunk", type=int, default=None,
+                   help="prefill: the engine's prefill chunk (default 4096; 32 with --smoke)")
 
 
-def reduced_k3(mla_cache="auto"):
-    if SMOKE:
-        return kimik3.Config.preset("tiny").replace(num_layers=3, layer_types=("kda", "kda", "mla"),
-                                                    mla_cache_dtype=mla_cache)
-    return kimik3.Config.preset("kimi-k3").replace(
-        name="k3-tp8-rank-3L", num_layers=3, layer_types=("kda", "kda", "mla"), kda_num_heads=12,
-        mla_num_heads=12, intermediate_size=33792 // 8, moe_intermediate_size=3072 // 8,
-        vocab_size=163840 // 8, attn_res_block_size=2, mla_cache_dtype=mla_cache,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)  # K3's ids lie past this vocabulary
+def prepare_env(args):
+    """torch's copy bandwidth in a subprocess, before this process's JAX takes the GPU."""
+    global TORCH_BW
+    if not args.smoke and "decode" in args.mode:
+        TORCH_BW = torch_copy_Bps_subprocess()
 
 
 def step_bytes(cfg, params, batch, ctx):
@@ -75,16 +100,16 @@ def check_kernels_in_model():
     return ok, outs
 
 
-def time_batch(model, B, prompt_len, prefill_chunk, steps=8, n_calls=4):
-    """Prefill B rows of `prompt_len` random tokens, then time n_calls decode calls of `steps`
-    tokens a row. Returns (seconds a decode step, the context it ended at, prefill s, warm-up s)."""
-    eng = Engine(model, max_batch=B, max_seq_len=prompt_len + steps * (n_calls + 2) + 64,
-                 page_size=64, prefill_chunk=prefill_chunk, decode_steps=steps)
+def decode_engine(model, B, prompt_len, prefill_chunk, calls):
+    """An engine with B rows of `prompt_len` random tokens prefilled and its decode loop compiled,
+    room left for `calls` more decode calls. Returns (engine, prefill s, warm-up s)."""
+    budget = STEPS * (calls + 2)
+    eng = Engine(model, max_batch=B, max_seq_len=prompt_len + budget + 64, page_size=64,
+                 prefill_chunk=prefill_chunk, decode_steps=STEPS)
     rng = np.random.RandomState(B)
     for i in range(B):
         eng.submit(list(map(int, rng.randint(0, 256, prompt_len))),
-                   SamplingParams(max_new_tokens=steps * (n_calls + 2), stop_tokens=()),
-                   request_id=i)
+                   SamplingParams(max_new_tokens=budget, stop_tokens=()), request_id=i)
     t0 = time.perf_counter()
     eng.step()  # the first prefill call (compiles)
     jax.block_until_ready(eng.layers)
@@ -95,49 +120,129 @@ def time_batch(model, B, prompt_len, prefill_chunk, steps=8, n_calls=4):
     prefill_s = time.perf_counter() - t1
     eng.step()  # compile the decode loop
     jax.block_until_ready(eng.layers)
-    warm = time.perf_counter() - t0
+    return eng, prefill_s, time.perf_counter() - t0
+
+
+def time_decode(eng, calls):
+    """Seconds a decode step over `calls` back-to-back engine calls."""
     t0 = time.perf_counter()
-    for _ in range(n_calls):
+    for _ in range(calls):
         eng.step()
     jax.block_until_ready(eng.layers)
-    dt = (time.perf_counter() - t0) / (n_calls * steps)
-    return dt, prompt_len + steps * (n_calls + 1), prefill_s, warm
+    return (time.perf_counter() - t0) / (calls * STEPS)
 
 
-def run(rec, args):
-    global SMOKE
-    SMOKE = args.smoke
-    batches = args.batches or ([2] if SMOKE else [1, 16, 64, 256])
-    # on the CPU the default backend is the reference itself: nothing to compare
-    ok, outs = (None, None) if SMOKE else check_kernels_in_model()
-    rec.details.update(kernels_match_reference=ok, prompt_len=args.prompt_len,
-                       prefill_chunk=args.prefill_chunk, runs=[])
-    rec.log(f"kernels in the model (tiny, engine, greedy): {ok}")
-    if ok is False:
-        rec.data["errors"]["kernels_in_model"] = f"default {outs[None]} vs reference {outs['reference']}"
-    bw = jax_copy_Bps(SMOKE)
-    rec.details["copy_Bps"] = bw
+class Slices:
+    """The K3 slice of each MLA cache dtype, built when first asked for; only the last one is
+    kept (a 12-layer slice holds ~25 GB of weights, and its init takes minutes)."""
+
+    def __init__(self, depth, smoke):
+        self.depth, self.smoke, self.last = depth, smoke, None
+
+    def __call__(self, mla_cache="auto"):
+        if self.last is None or self.last.cfg.mla_cache_dtype != mla_cache:
+            self.last = None  # free the previous slice first
+            self.last = kimik3.init(k3_slice(self.depth, self.smoke, mla_cache), seed=0)
+            jax.block_until_ready(self.last.params)
+        return self.last
+
+
+def decode(rec, args, bw, slices):
+    batches = args.batches or ([2] if args.smoke else [1, 16, 64, 256])
+    profile = args.profile or args.smoke
     for mla_cache in args.mla_cache:
-        cfg = reduced_k3(mla_cache)
-        model = kimik3.init(cfg, seed=0)
-        jax.block_until_ready(model.params)
+        model = slices(mla_cache)
+        cfg = model.cfg
         rec.details["config"] = cfg.name
+        cache = "fp8" if mla_cache == "fp8" else "bf16"
         for B in batches:
             case = f"B{B} MLA cache {mla_cache}"
             if rec.skip(case):
                 continue
-            dt, ctx, prefill_s, warm = time_batch(model, B, args.prompt_len, args.prefill_chunk)
+            eng, prefill_s, warm = decode_engine(model, B, args.prompt_len, args.prefill_chunk,
+                                                 CALLS + (PROFILE_CALLS + 1 if profile else 0))
+            dt = time_decode(eng, CALLS)
+            ctx = args.prompt_len + STEPS * (CALLS + 1)
             nbytes, parts = step_bytes(cfg, model.params, B, ctx)
-            roof = nbytes / bw
-            rec.details["runs"].append(dict(
-                batch=B, mla_cache=mla_cache, context=ctx, step_us=dt * 1e6, tokens_per_s=B / dt,
-                per_layer_us=dt * 1e6 / cfg.num_layers, roofline_us=roof * 1e6,
-                fraction_of_roofline=roof / dt, bytes=parts, prefill_s=prefill_s, warmup_s=warm))
+            roof, torch_bw = nbytes / bw, rec.details.get("torch_copy_Bps")
+            run = dict(batch=B, mla_cache=mla_cache, context=ctx, step_us=dt * 1e6, tokens_per_s=B / dt,
+                       per_layer_us=dt * 1e6 / cfg.num_layers, roofline_us=roof * 1e6,
+                       fraction_of_roofline=roof / dt, bytes=parts, prefill_s=prefill_s, warmup_s=warm,
+                       fraction_of_torch_copy_roofline=torch_bw and nbytes / torch_bw / dt)
+            note = f"{B / dt:.0f} tokens/s"
+            if profile:
+                prof = decode_profile(eng, dt * 1e6, reps=PROFILE_CALLS)
+                run["profile"] = prof or "skipped: the trace has no GPU plane (CPU)"
+                if prof:
+                    note += "; " + profile_note(prof)
+                rec.log(f"{case} profile: {prof and profile_note(prof) or run['profile']}")
+            rec.details["runs"].append(run)
             rec.log(f"{case} ctx {ctx}: {dt * 1e6:.1f} us/step, {B / dt:.1f} tok/s, roofline "
                     f"{roof * 1e6:.1f} us ({100 * roof / dt:.1f}%)")
             # % of limit: the roofline step time (bytes a step must move / copy bandwidth) over ours
-            cache = "fp8" if mla_cache == "fp8" else "bf16"
-            rec.row("Engine decode, 3-layer K3 TP8-rank slice (step time; % of its roofline)",
+            rec.row(f"Engine decode, {cfg.name} (step time; % of its roofline)",
                     f"B{B} ctx {ctx}, MLA cache {cache}", dt * 1e6, "us", limit_pct=100 * roof / dt,
-                    note=f"{B / dt:.0f} tokens/s")
-        del model
+                    note=note)
+            del eng
+
+
+def ttft(model, prompt_len, chunk, seed):
+    """Seconds from submitting one `prompt_len`-token random prompt to its first token."""
+    eng = Engine(model, max_batch=1, max_seq_len=prompt_len + 64, page_size=64, prefill_chunk=chunk,
+                 decode_steps=4, prefix_cache=False)
+    rng = np.random.RandomState(seed)
+    t0 = time.perf_counter()
+    eng.submit(list(map(int, rng.randint(0, model.cfg.vocab_size, prompt_len))),
+               SamplingParams(max_new_tokens=1, stop_tokens=()), request_id=0)
+    while eng.has_work():
+        eng.step()
+    jax.block_until_ready(eng.layers)
+    return time.perf_counter() - t0
+
+
+def prefill(rec, args, slices):
+    lens = args.prefill_lens or ([64] if args.smoke else [8192, 32768])
+    chunk = args.ttft_chunk or (32 if args.smoke else 4096)
+    peak = jax_matmul_flops(args.smoke)
+    rec.details.update(dense_peak_flops=peak, ttft_chunk=chunk, prefill=[])
+    rec.log(f"dense bf16 jnp.dot peak: {peak / 1e12:.1f} TFLOP/s")
+    mla_cache = args.mla_cache[-1]  # the slice decode left, if it ran
+    model, cache = slices(mla_cache), "fp8" if mla_cache == "fp8" else "bf16"
+    cfg = model.cfg
+    for T in lens:
+        case = f"prefill {T}"
+        if rec.skip(case):
+            continue
+        first = ttft(model, T, chunk, seed=0)  # compiles the prefill widths
+        s = ttft(model, T, chunk, seed=1)
+        fl = prefill_flops(cfg, model.params, T)
+        rate = fl["total"] / s
+        rec.details["prefill"].append(dict(prompt_len=T, chunk=chunk, first_s=first, ttft_s=s,
+                                           tokens_per_s=T / s, flops=fl, flops_per_s=rate,
+                                           pct_of_peak=100 * rate / peak))
+        rec.log(f"{case}: TTFT {s * 1e3:.1f} ms (first {first:.1f} s), {T / s:.0f} tok/s, "
+                f"{rate / 1e12:.1f} TFLOP/s ({100 * rate / peak:.1f}% of peak)")
+        rec.row(f"Engine prefill, {cfg.name} (TTFT; % of the dense bf16 peak)",
+                f"{T} tokens, chunk {chunk}, MLA cache {cache}", s * 1e3, "ms", limit_pct=100 * rate / peak,
+                note=f"{T / s:.0f} tokens/s, {rate / 1e12:.0f} TFLOP/s")
+
+
+def run(rec, args):
+    unknown = set(args.mode) - {"decode", "prefill"}
+    if unknown:
+        raise SystemExit(f"--mode: unknown {sorted(unknown)} (decode, prefill)")
+    # on the CPU the default backend is the reference itself: nothing to compare
+    ok, outs = (None, None) if args.smoke else check_kernels_in_model()
+    rec.details.update(kernels_match_reference=ok, depth=args.depth, modes=args.mode,
+                       prompt_len=args.prompt_len, prefill_chunk=args.prefill_chunk, runs=[])
+    rec.log(f"kernels in the model (tiny, engine, greedy): {ok}")
+    if ok is False:
+        rec.data["errors"]["kernels_in_model"] = f"default {outs[None]} vs reference {outs['reference']}"
+    bw = jax_copy_Bps(args.smoke) if "decode" in args.mode else None
+    rec.details["copy_Bps"] = bw
+    rec.details["torch_copy_Bps"] = TORCH_BW
+    slices = Slices(args.depth, args.smoke)
+    if "decode" in args.mode:
+        decode(rec, args, bw, slices)
+    if "prefill" in args.mode:
+        prefill(rec, args, slices)

@@ -44,20 +44,25 @@ def _device_events(path: str):
     return out
 
 
-def kernel_times(fn, *args, reps: int = 10, sync=jax.block_until_ready):
-    """Per-call GPU kernel times of fn(*args) (compiled and run once before the trace). `sync`
-    waits for a call's result: for PyTorch peers pass e.g. `lambda r: torch.cuda.synchronize()`
-    (the profiler's CUPTI session sees every kernel of the process, not only JAX's)."""
+def trace_events(fn, *args, reps: int = 10, sync=jax.block_until_ready):
+    """[(line, kernel name, start ns, duration ns)] of `reps` calls of fn(*args) (compiled and run
+    once before the trace), or None where the trace has no GPU plane."""
     sync(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(reps):
                 sync(fn(*args))                      # calls do not overlap: spans stay apart
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            return None
-        events = _device_events(files[0])
-    if not events:
+        events = _device_events(files[0]) if files else None
+    return events or None
+
+
+def kernel_times(fn, *args, reps: int = 10, sync=jax.block_until_ready):
+    """Per-call GPU kernel times of fn(*args) (compiled and run once before the trace). `sync`
+    waits for a call's result: for PyTorch peers pass e.g. `lambda r: torch.cuda.synchronize()`
+    (the profiler's CUPTI session sees every kernel of the process, not only JAX's)."""
+    events = trace_events(fn, *args, reps=reps, sync=sync)
+    if events is None:
         return None
     by_kernel = defaultdict(float)
     for _, name, _, dur in events:

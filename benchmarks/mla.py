@@ -23,8 +23,6 @@ Rows: the default configuration of each cache form, % of the torch copy bandwidt
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +30,7 @@ import numpy as np
 
 from kernels_pallas.mla import DecodeConfig, fp8_to_words, mla_decode, mla_decode_reference
 from kernels_pallas.mla.tuning import decode_config, smem_bytes
-from .common import jax_copy_Bps, names_arg, shapes_arg, wall_ms
+from .common import jax_copy_Bps, names_arg, shapes_arg, torch_copy_Bps_subprocess, wall_ms
 from .config_strings import parse_overrides
 from .kernel_timer import kernel_times
 
@@ -91,31 +89,12 @@ def add_args(p):
                    help="only lower every swept (shape, config) for CUDA (CPU, no GPU needed)")
 
 
-TORCH_COPY = r"""
-import torch, statistics
-n = 1 << 30                                   # 2 GiB of bf16
-src = torch.randn(n, dtype=torch.bfloat16, device="cuda"); dst = torch.empty_like(src)
-for _ in range(3): dst.copy_(src)
-ts = []
-for _ in range(20):
-    a = torch.cuda.Event(enable_timing=True); b = torch.cuda.Event(enable_timing=True)
-    a.record(); dst.copy_(src); b.record(); b.synchronize(); ts.append(a.elapsed_time(b) / 1e3)
-t = statistics.median(ts)
-print(torch.cuda.get_device_name(0), 2 * n * 2 / t)
-"""
-
-
 def prepare_env(args):
     """torch's copy bandwidth in a subprocess, before this process's JAX takes the GPU."""
     global TORCH_BW
     if args.smoke or args.lower:
         return
-    try:
-        r = subprocess.run([sys.executable, "-c", TORCH_COPY], capture_output=True, text=True,
-                           timeout=90)
-        TORCH_BW = float(r.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1])
-    except Exception as e:  # noqa: BLE001 - the JAX copy stands in
-        print("torch copy failed:", repr(e)[:200], flush=True)
+    TORCH_BW = torch_copy_Bps_subprocess()  # None: the JAX copy stands in
 
 
 def pool_pages():

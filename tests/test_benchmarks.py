@@ -58,3 +58,37 @@ def test_a_smoke_run_never_writes_the_committed_results():
     assert main(["attnres", "--smoke"]) == 0
     assert os.path.exists(os.path.join(SMOKE_OUT, "attnres.json"))
     assert not os.path.exists(os.path.join(RESULTS, "attnres.json"))
+
+
+def test_engine_profile_categories_from_kernel_names():
+    from benchmarks.engine_metrics import busy_ns, classify
+
+    want = {"gemm_fusion_dot_123": "dense_matmul",
+            "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "dense_matmul",
+            "sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize64x64x8_stage3_warpsize1x4x1_ffma": "dense_matmul",
+            "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNT": "dense_matmul",
+            "moe_gmm": "moe", "moe_gmm_tiles": "moe",
+            "kda_decode": "kda", "kda_chunk_diag": "kda", "kda_chunk_out": "kda",
+            "mla_decode_bh16_bk64_bf16": "mla", "mla_merge_splits": "mla", "mla_prefill": "mla",
+            "attn_res_norm": "norms_attnres",
+            "radix_sort_onesweep_kernel": "routing_sort",
+            "void cub::DeviceRadixSortOnesweepKernel<cub::DeviceRadixSortPolicy<int, int>>": "routing_sort",
+            "fusion_12": "other_fusions", "loop_reduce_fusion": "other_fusions",
+            "input_scatter_fusion": "other_fusions", "wrapped_convert": "other_fusions"}
+    assert {n: classify(n) for n in want} == want
+    # overlapping kernels count once: [0, 10) + [5, 12) + [20, 25) -> 17
+    assert busy_ns([("s", "a", 0, 10), ("s", "b", 20, 5), ("t", "c", 5, 7)]) == 17
+
+
+def test_engine_prefill_flops_count_linear_attention_and_kda():
+    import jax
+    import kimik3
+    from benchmarks.engine_metrics import prefill_flops
+
+    cfg = kimik3.Config.preset("tiny")
+    params = jax.eval_shape(lambda: kimik3.init(cfg, seed=0).params)
+    one, two = prefill_flops(cfg, params, 64), prefill_flops(cfg, params, 128)
+    assert one["total"] == one["linear"] + one["mla"] + one["kda"] and min(one.values()) > 0
+    lm = 2 * cfg.hidden_size * cfg.vocab_size  # lm_head: the last token only
+    assert two["linear"] - lm == 2 * (one["linear"] - lm) and two["kda"] == 2 * one["kda"]
+    assert two["mla"] == one["mla"] * (128 * 129) // (64 * 65)  # causal pairs
