@@ -267,14 +267,21 @@ class Engine:
 
     # ---- scheduling ----
     def _admit(self):
-        for s in range(self.max_batch):
-            if self.slots[s] is None and self.waiting:
-                req = self.waiting[0]
+        held = []  # requests waiting for a running prefill of their prefix: they keep their place
+        try:
+            for s in range(self.max_batch):
+                if self.slots[s] is not None:
+                    continue
+                while self.waiting:
+                    req = self.waiting[0]
+                    hit = self.prefix.lookup(req) if self.prefix else None  # pins the hit's pages
+                    if hit is None or not self.prefix.wait_for_inflight(req, hit):
+                        break
+                    self.prefix.unpin(hit)  # restored once that prefill has checkpointed the prefix
+                    held.append(self.waiting.popleft())
+                else:
+                    return
                 need = math.ceil((len(req.sequence) + 1) / self.page_size)
-                hit = self.prefix.lookup(req) if self.prefix else None  # pins the hit's pages
-                if hit is not None and self.prefix.wait_for_inflight(req, hit):
-                    self.prefix.unpin(hit)
-                    return  # a running prefill is computing this prompt's prefix: restore it once done
                 if hit is not None:
                     need -= self.prefix.shared_pages(hit)
                 if self.available_pages() - self._reserve() < need:
@@ -286,6 +293,8 @@ class Engine:
                 req.slot, req.fed = s, 0
                 self.slots[s] = req
                 self._reset[s] = not (hit is not None and self.prefix.restore(req, hit, s))
+        finally:
+            self.waiting.extendleft(reversed(held))
 
     def available_pages(self) -> int:
         """Free pages plus cached pages no running request reads (evicted on demand)."""

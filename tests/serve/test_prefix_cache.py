@@ -261,7 +261,8 @@ def test_requests_arriving_together_wait_for_the_prefill_of_their_shared_prefix(
     """Sessions arriving together with one long shared prefix (an agent's system prompt): the
     first computes it, the others wait until its prefill has passed and checkpointed the point
     where their prompts leave it, then restore from there instead of computing it again; the
-    tokens equal the cache-off engine's. A prompt sharing less than a block is not held."""
+    tokens equal the cache-off engine's. A prompt sharing less than a block is not held, nor
+    kept from a free slot by the held ones ahead of it."""
     rng = np.random.RandomState(14)
     shared = list(map(int, rng.randint(0, 256, 5 * BLOCK + 3)))
     prompts = [shared + list(map(int, rng.randint(0, 256, 4 + 3 * i))) for i in range(3)]
@@ -269,6 +270,8 @@ def test_requests_arriving_together_wait_for_the_prefill_of_their_shared_prefix(
     params = SamplingParams(max_new_tokens=4, stop_tokens=())
     eng = Engine(model, **GEOMETRY, cache_block=BLOCK, checkpoint_interval=8 * BLOCK)
     reqs = [eng.submit(p, params) for p in prompts]
+    eng.step()  # the held requests keep their place; the unrelated one behind them starts at once
+    assert [r.slot is not None for r in reqs] == [True, False, False, True]
     while eng.has_work():
         eng.step()
         eng.check_pages()
