@@ -3,6 +3,8 @@ rows and the details), the time budget, error capture, wall-clock and GPU timers
 ceiling and the JAX <-> torch bridges for peers that run in the same process."""
 from __future__ import annotations
 
+import argparse
+
 import datetime
 import json
 import math
@@ -252,3 +254,14 @@ def ints_arg(text: str) -> list[int]:
 
 def names_arg(text: str) -> list[str]:
     return [v for v in text.split(",") if v]
+
+
+def choices_arg(*choices: str):
+    """An argparse type: comma-separated names, each one of `choices` (else a usage error)."""
+    def parse(text: str) -> list[str]:
+        names = names_arg(text)
+        unknown = [n for n in names if n not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {','.join(unknown)}; choose from {','.join(choices)}")
+        return names
+    return parse

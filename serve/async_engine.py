@@ -213,6 +213,12 @@ def _fail_all(eng: Engine, reason: str) -> list:
     return [(req, []) for req in victims]
 
 
+def params_from_json(fields: dict) -> SamplingParams:
+    """SamplingParams from the form sent between processes (dataclasses.asdict through JSON:
+    lists where it had tuples)."""
+    return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
 def follow(engine: Engine, leader) -> None:
     """A process other than 0 of a multi-process server: apply process 0's submissions and
     cancellations (received from `leader`, a sharding.distributed.Messages) to `engine` and step
@@ -224,7 +230,7 @@ def follow(engine: Engine, leader) -> None:
             if op[0] == "submit":
                 _, rid, prompt, params = op
                 fields = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
-                requests[rid] = engine.submit(prompt, SamplingParams(**fields), request_id=rid)
+                requests[rid] = engine.submit(prompt, params_from_json(fields), request_id=rid)
             else:
                 engine.abort(requests.pop(op[1]))
         if message["stop"]:

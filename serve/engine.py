@@ -67,6 +67,7 @@ class Request:
     text: str | None = None
     prefix_hit_tokens: int | None = None  # prompt tokens restored from the prefix cache at admission
     prefix: object = None  # its place in the prefix cache while it holds a slot
+    waits_for: tuple | None = None  # (running request, position) whose prefill it waits for, queued
 
     @property
     def logprobs(self) -> list[float] | None:
@@ -274,6 +275,9 @@ class Engine:
                     continue
                 while self.waiting:
                     req = self.waiting[0]
+                    if self.prefix is not None and self.prefix.still_waiting(req):  # no lookup per step
+                        held.append(self.waiting.popleft())
+                        continue
                     hit = self.prefix.lookup(req) if self.prefix else None  # pins the hit's pages
                     if hit is None or not self.prefix.wait_for_inflight(req, hit):
                         break

@@ -106,7 +106,19 @@ class PrefixCache:
             shared = common_prefix(seq, r.prompt, len(seq) - 1) // self.block * self.block
             if shared >= hit.length + self.block and shared > r.fed:
                 r.prefix.wanted.add(shared)
+                req.waits_for = (r, shared)
                 return True
+        return False
+
+    def still_waiting(self, req) -> bool:
+        """True while the prefill req waits for (wait_for_inflight) has not yet passed its point."""
+        if req.waits_for is None:
+            return False
+        r, pos = req.waits_for
+        if r.prefix is not None and r.fed < pos:  # still in its slot (a preempted one starts over)
+            r.prefix.wanted.add(pos)
+            return True
+        req.waits_for = None
         return False
 
     def unpin(self, hit: Hit):

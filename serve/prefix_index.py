@@ -63,8 +63,9 @@ class PrefixIndex:
     def child(self, parent: Node, tokens) -> Node | None:
         return parent.children.get(chain_key(parent.key, tokens))
 
-    def add_block(self, parent: Node, tokens, pages, key: bytes | None = None) -> Node:
-        key = key or chain_key(parent.key, tokens)
+    def add_block(self, parent: Node, tokens, pages, key: bytes) -> Node:
+        """A block node under `parent`; `key` is chain_key(parent.key, tokens), which the caller
+        has computed to look the block up first."""
         assert key not in parent.children
         node = Node(key, parent, parent.depth + len(tokens), len(tokens))
         node.pages = list(pages)

@@ -18,7 +18,7 @@ import threading
 
 from sharding.distributed import Messages
 
-from .async_engine import STOP, AsyncEngine, Delta, RequestStream
+from .async_engine import STOP, AsyncEngine, Delta, RequestStream, params_from_json
 from .engine import SamplingParams
 
 
@@ -26,11 +26,6 @@ def _channels(index: int, leader: int):
     """(process 0 -> the replica's leader, the leader -> process 0)."""
     return (Messages(f"serve/replica{index}/in", sender=0, receivers=[leader]),
             Messages(f"serve/replica{index}/out", sender=leader, receivers=[0]))
-
-
-def sampling_params(fields: dict) -> SamplingParams:
-    """SamplingParams from its json form (dataclasses.asdict, lists for tuples)."""
-    return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
 class _Stream(RequestStream):
@@ -122,7 +117,7 @@ async def serve_replica(aengine: AsyncEngine, index: int, leader: int) -> None:
         if message[0] == "submit":
             _, rid, prompt, params = message
             try:
-                streams[rid] = await aengine.submit(prompt, sampling_params(params))
+                streams[rid] = await aengine.submit(prompt, params_from_json(params))
             except Exception as e:  # checked on process 0 already; a full queue, a stopped engine
                 send([[rid, [], True, f"error: {e}", None, None, None]])
                 continue

@@ -1,15 +1,14 @@
 """Block Attention Residuals (K3): a softmax over depth mixes the stored block sums and the running
-partial sum before each attention, each MLP and the final norm. The math (`attn_res_mix`) and its
-fused kernel with the RMSNorm after it live in kernels_pallas/attnres; state machine:
-reference/k3_checkpoint.md section 3.
+partial sum before each attention, each MLP and the final norm. The math (plain JAX on the
+reference backend, one kernel with the RMSNorm after it on the Pallas ones) lives in
+kernels_pallas/attnres; state machine: reference/k3_checkpoint.md section 3.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 import flax.linen as nn
 
-from kernels_pallas import resolve_backend
-from kernels_pallas.attnres import attn_res_mix, attn_res_norm, residual_sum
+from kernels_pallas.attnres import attn_res_norm
 from .common import RMSNorm
 
 F32 = jnp.float32
@@ -27,9 +26,6 @@ class AttnResMix(nn.Module):
         self.proj = self.param("proj", nn.with_logical_partitioning(nn.initializers.normal(0.1), ("embed",)),
                                (self.dim,), self.param_dtype)
 
-    def __call__(self, rows: list):
-        return attn_res_mix(rows, self.norm, self.proj, self.eps)
-
     def weights(self):
         """(key-norm gain, pseudo-query), for the fused kernel."""
         return self.norm, self.proj
@@ -39,13 +35,10 @@ def mixed_norm(cfg, mix_name: str, norm_name: str, bank: list, residual, delta, 
     """(the RMSNorm `norm_name` of the AttnRes mix `mix_name` over bank + [s], s) where s is the
     residual stream residual + delta (either may be None). No mix where the bank is empty or
     AttnRes is off. The Pallas backends run it as one kernel with the add; s is bit-identical on
-    every backend."""
+    every backend. The weights live here, declared once; the math in kernels_pallas/attnres."""
     D, eps, pdt = cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype
     mix = AttnResMix(D, eps, pdt, name=mix_name) if cfg.attn_res_block_size and bank else None
     norm = RMSNorm(D, eps, pdt, name=norm_name)
-    if resolve_backend(backend) == "reference":
-        s = residual_sum(residual, delta)
-        return norm(mix(bank + [s]) if mix else s), s
     g, w = mix.weights() if mix else (None, None)
     return attn_res_norm(bank if mix else [], residual, delta, g, w, norm.gain(), eps=eps,
                          backend=backend)
