@@ -1,5 +1,8 @@
-"""The XLA:CPU YNNPACK-fusion miscompile (kimik3/_xla_workarounds.py): reproduced without the
-workaround, absent with it (importing kimik3 applies it)."""
+"""The XLA:CPU YNNPACK-fusion miscompile (kimik3/_xla_workarounds.py) is absent once kimik3 is
+imported. The miscompile itself is nondeterministic and depends on the CPU (it reproduces on the
+AVX-512 machines the suite was written on and not on every CI runner), so whether it still happens
+without the workaround is not asserted; the workaround switches itself off on jaxlib other than
+0.11.x."""
 import os
 import subprocess
 import sys
@@ -39,7 +42,3 @@ def _bad_runs(mode):
 def test_importing_kimik3_avoids_the_miscompile():
     assert _bad_runs("kimik3") == 0
 
-
-def test_the_bug_is_real_without_the_workaround():
-    # If a future jaxlib fixes the bug this test fails: then drop the workaround.
-    assert _bad_runs("plain") > 0
