@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from sharding.rules import logical_axes, unboxed
 
 from .config import Config
-from .model import KimiLM, Model
+from .model import DecoderLayer, KimiLM, Model
 
 
 def _boxed_init(cfg: Config):
@@ -21,10 +21,6 @@ def _boxed_init(cfg: Config):
         tokens = jnp.zeros((1, 2), jnp.int32)
         return KimiLM(cfg).init(key, tokens, backend="reference")["params"]
     return init
-
-
-def _init_fn(cfg: Config):
-    return lambda key: unboxed(_boxed_init(cfg)(key))
 
 
 @functools.lru_cache(maxsize=8)
@@ -44,20 +40,63 @@ def param_axes(cfg: Config) -> dict:
     return logical_axes(_boxed_abstract(cfg.replace(moe_dedup=True, moe_placement="auto")))
 
 
-@functools.cache
-def _init_program(cfg: Config, mesh):
-    """The jitted init of one (config, mesh), kept: its compile is most of a small model's init
-    (every parameter's random draw is code), so a second init with any seed compiles nothing."""
-    if mesh is None:
-        return jax.jit(_init_fn(cfg))
-    from sharding import param_shardings
+def _first_layer_cfg(cfg: Config) -> Config:
+    """The model cut to its first layer: it declares the embedding, layer 0, the output mix and
+    norm and the head exactly as the whole model does."""
+    mlp = None if cfg.mlp_layer_types is None else cfg.mlp_layer_types[:1]
+    return cfg.replace(num_layers=1, layer_types=cfg.layer_types[:1], mlp_layer_types=mlp)
 
-    return jax.jit(_init_fn(cfg), out_shardings=param_shardings(abstract(cfg), cfg, mesh))
+
+def _boxed_layer_init(cfg: Config, i: int):
+    """Init of decoder layer i alone, fed stand-ins of the residual stream as it reaches layer i
+    (the AttnRes blocks finished before it, a partial sum and a pending MLP output)."""
+    def init(key):
+        x = jnp.zeros((1, 2, cfg.hidden_size), cfg.jnp_dtype)
+        bs = cfg.attn_res_block_size
+        bank = [x] * (-(-i // bs) if bs else 0)  # layers j < i with j % bs == 0 wrote a block
+        n = jnp.full((1,), 2, jnp.int32)
+        return DecoderLayer(cfg, i).init(key, bank, x, x, None, jnp.zeros((1,), jnp.int32), n,
+                                         "reference")["params"]
+    return init
+
+
+@functools.cache
+def init_programs(cfg: Config, mesh) -> tuple:
+    """The jitted programs that make random weights for one (config, mesh): programs[i] takes a
+    key and returns layer i's weights (programs[0]: layer 0 and everything outside the layers,
+    from the model cut to its first layer). Layers alike in structure, shapes, dtypes and placement
+    share one program: compiling every layer's random draws in one program for the whole model
+    took most of a large model's init (minutes on a GPU for 12 K3 layers). Kept, so a second init
+    with any seed compiles nothing."""
+    full, first = abstract(cfg), _first_layer_cfg(cfg)
+    if mesh is None:
+        shardings = jax.tree.map(lambda _: None, full)
+    else:
+        from sharding import param_shardings
+
+        shardings = param_shardings(full, cfg, mesh)
+    programs, kinds = [jax.jit(lambda key: unboxed(_boxed_init(first)(key)),
+                               out_shardings={k: shardings[k] for k in abstract(first)})], {}
+    for i in range(1, cfg.num_layers):
+        name = f"layers_{i}"
+        kind = (jax.tree.structure(full[name]), tuple((x.shape, x.dtype) for x in jax.tree.leaves(full[name])),
+                tuple(jax.tree.leaves(shardings[name])))
+        if kind not in kinds:
+            kinds[kind] = jax.jit(lambda key, i=i: unboxed(_boxed_layer_init(cfg, i)(key)),
+                                  out_shardings=shardings[name])
+        programs.append(kinds[kind])
+    return tuple(programs)
 
 
 def init(cfg: Config, seed: int = 0, mesh=None) -> Model:
-    """Random weights for any config; placed on `mesh` by the sharding rules if one is given."""
-    return Model(params=_init_program(cfg, mesh)(jax.random.key(seed)), cfg=cfg)
+    """Random weights for any config; placed on `mesh` by the sharding rules if one is given.
+    Layer i draws from the i-th split of the seed's key."""
+    programs = init_programs(cfg, mesh)
+    keys = jax.random.split(jax.random.key(seed), cfg.num_layers)
+    params = dict(programs[0](keys[0]))
+    for i in range(1, cfg.num_layers):
+        params[f"layers_{i}"] = programs[i](keys[i])
+    return Model(params={k: params[k] for k in abstract(cfg)}, cfg=cfg)  # the whole model's order
 
 
 def _is_expert_packed(path) -> bool:

@@ -107,3 +107,24 @@ def test_the_axes_table_places_the_well_known_weights():
 
     experts = _specs(Config.preset("tiny-linear"), tensor=2, expert=4)["layers_1"]["block_sparse_moe"]["experts"]
     assert experts["w1"] == P("expert", None, "tensor") and experts["w2"] == P("expert", "tensor", None)
+
+
+def test_init_compiles_one_program_per_kind_of_layer():
+    """The init program per kind of layer gives the whole model's tree (structure, shapes, dtypes,
+    and on a mesh the sharding rules' placement); each layer draws its own weights."""
+    from kimik3.params import init_programs
+    from sharding import make_mesh, param_shardings
+
+    cfg = Config.preset("tiny").replace(num_layers=7, layer_types=("kda", "kda", "mla", "kda", "mla", "kda", "kda"),
+                                        mlp_layer_types=("dense", "sparse", "sparse", "dense", "sparse", "sparse",
+                                                         "sparse"))
+    mesh = make_mesh(tensor=4, expert=2)
+    # after the first layer's program: kda+dense, kda+moe, mla+moe, three programs for six layers
+    assert len({id(p) for p in init_programs(cfg, mesh)[1:]}) == 3
+    params = kimik3.init(cfg, seed=3, mesh=mesh).params
+    expected = kimik3.abstract(cfg)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), params) == jax.tree.map(lambda s: (s.shape, s.dtype), expected)
+    want = param_shardings(expected, cfg, mesh)
+    assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(want)))
+    q = [params[f"layers_{i}"]["self_attn"]["q_proj"]["kernel"] for i in (0, 1, 3, 5, 6)]
+    assert all(not bool(jnp.array_equal(a, b)) for a, b in zip(q, q[1:]))
