@@ -65,9 +65,9 @@ def init_programs(cfg: Config, mesh) -> tuple:
     """The jitted programs that make random weights for one (config, mesh): programs[i] takes a
     key and returns layer i's weights (programs[0]: layer 0 and everything outside the layers,
     from the model cut to its first layer). Layers alike in structure, shapes, dtypes and placement
-    share one program: compiling every layer's random draws in one program for the whole model
-    took most of a large model's init (minutes on a GPU for 12 K3 layers). Kept, so a second init
-    with any seed compiles nothing."""
+    share one program, so the compile time does not grow with the depth (one program for the
+    whole model compiled every layer's random draws again). Kept, so a second init with any seed
+    compiles nothing."""
     full, first = abstract(cfg), _first_layer_cfg(cfg)
     if mesh is None:
         shardings = jax.tree.map(lambda _: None, full)
