@@ -4,6 +4,7 @@ and dense-matmul ceilings measured in the same process.
     python -m benchmarks moe [--sections ceil,layer_gmm,layer] [--layouts k3,paired]
     python -m benchmarks moe --sections check          # MXFP4 exactness of every dequant variant
     python -m benchmarks moe --lower                   # CPU: lower every timed kernel for CUDA
+    python -m benchmarks moe --sections router         # the router matmul, fp32 vs bf16 pieces
     python -m benchmarks moe --smoke                   # CPU: interpret mode, 8 experts top-2
 
 Sections:
@@ -23,6 +24,9 @@ Sections:
              combine, latent down/up + norm, 2 shared experts) at K3 dims on one device, MXFP4
              experts then their exact bf16 dequantisation, checked on a few tokens against a
              per-token reference first.
+  router     the router matmul at K3's shape (hidden 7168 x 896 experts, fp32 gate) at
+             --router-tokens rows of bf16 activations: the gate's bf16 pieces on tensor cores
+             against the fp32 matmul, after checking both choose the same experts (top 16).
 Counted: FLOP = 2 * rows * K * N; weight bytes = the experts that received rows (bf16 2 B, MXFP4
 0.5 + 1/32 B an element); % of copy = weight bytes / time over the copy ceiling; % of mm =
 TFLOP/s over torch's bf16 matmul. Times are GPU kernel time from the profiler (every kernel of
@@ -50,12 +54,12 @@ from .common import (gpu_ms, has_cuda_torch, ints_arg, names_arg, rel, torch_cop
 from .config_strings import parse_overrides
 
 C = GmmConfig
-SECTIONS = ("ceil", "check", "layer_gmm", "layer")
+SECTIONS = ("ceil", "check", "layer_gmm", "layer", "router")
 BOOL_FIELDS = {"transpose_small", "x_resident", "fuse_tail"}
 
 
 def add_args(p):
-    p.add_argument("--sections", type=names_arg, default=["ceil", "layer_gmm", "layer"],
+    p.add_argument("--sections", type=names_arg, default=["ceil", "layer_gmm", "layer", "router"],
                    help="comma list of " + ", ".join(SECTIONS))
     p.add_argument("--gmm-tokens", type=ints_arg, default=None, help="layer_gmm token counts (64,512,8192)")
     p.add_argument("--gmm-shapes", type=names_arg, default=None,
@@ -72,6 +76,8 @@ def add_args(p):
                    help="layer expert formats (mxfp4, mxfp4_paired, bf16)")
     p.add_argument("--layer-glu", type=names_arg, default=["unfused"],
                    help="layer gate/up forms: unfused (the default), fused")
+    p.add_argument("--router-tokens", type=ints_arg, default=None,
+                   help="router section row counts (1,16,64,256,1024,8192)")
     p.add_argument("--lower", action="store_true",
                    help="only lower every kernel of layer_gmm / layer for CUDA (CPU, no GPU needed)")
 
@@ -685,6 +691,31 @@ def layer_section(run, ctx, token_list, formats, glu_modes=("unfused",)):
 
 
 
+def router_section(run, tokens, cpu):
+    from kimik3.layers.moe import ROUTER_SPLIT_ROWS, route, router_fp32, router_pieces
+    import kimik3
+
+    cfg = kimik3.Config.preset("kimi-k3")
+    D, E = (256, 64) if cpu else (cfg.hidden_size, cfg.num_experts)
+    kx, kg = jax.random.split(jax.random.key(0))
+    gate = 0.02 * jax.random.normal(kg, (D, E), jnp.float32)
+    fp32, pieces = jax.jit(router_fp32), jax.jit(router_pieces)
+    for n in tokens:
+        x = jax.random.normal(jax.random.fold_in(kx, n), (n, D), jnp.float32).astype(jnp.bfloat16)
+        want, got = fp32(x, gate), pieces(x, gate)
+        ids = lambda logits: route(logits, jnp.zeros(E), cfg.replace(num_experts=E))[0]  # noqa: E731
+        same = float(jnp.mean(jnp.all(jnp.sort(ids(want)) == jnp.sort(ids(got)), -1)))
+        rel_err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+        ours, _ = gpu_time(pieces, x, gate, cpu=cpu)
+        peer, _ = gpu_time(fp32, x, gate, cpu=cpu)
+        run.details.setdefault("router", []).append(dict(rows=n, pieces_ms=ours, fp32_ms=peer, same_experts=same,
+                                                         max_rel_err=rel_err))
+        chosen = "pieces" if n >= ROUTER_SPLIT_ROWS else "fp32"
+        run.row("MoE router matmul: bf16 pieces (peer: fp32)", f"{n} rows x {D} x {E}", ours * 1e3, "us",
+                peer=peer * 1e3, peer_name="fp32 matmul",
+                note=f"the model uses {chosen} here; same experts for {100 * same:.1f}% of rows")
+
+
 def run(rec, args):
     cpu = args.smoke
     if args.lower:
@@ -709,6 +740,9 @@ def run(rec, args):
         shapes = {n: shapes[n] for n in (args.gmm_shapes or (["gate_up"] if cpu else shapes))}
         tokens = args.gmm_tokens or ([4] if cpu else [64, 512, 8192])
         rec.guard("layer_gmm", layer_gmm_section, rec, ctx, tokens, shapes)
+    if "router" in args.sections:
+        rec.guard("router", router_section, rec, args.router_tokens or ([4, 300] if cpu else
+                                                                          [1, 16, 64, 256, 1024, 8192]), cpu)
     if "layer" in args.sections:
         tokens = args.layer_tokens or ([8] if cpu else [64, 512, 8192])
         rec.guard("layer", layer_section, rec, ctx, tokens, args.layer_formats, args.layer_glu)

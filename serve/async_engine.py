@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 import traceback
 
 from sharding.distributed import announce_failure
@@ -28,6 +29,7 @@ from sharding.distributed import announce_failure
 from .engine import Engine, Request, SamplingParams
 
 STOP = {"ops": [], "stop": True}
+STATS_EVERY_S = 0.5  # how stale AsyncEngine.stats() may be while the engine is busy
 
 log = logging.getLogger("kimik3.serve")
 
@@ -88,6 +90,7 @@ class AsyncEngine:
         self.steps = 0
         self.failed_steps = 0
         self.cancelled = 0
+        self._stats, self._stats_at = engine.stats(), time.monotonic()
         self.fatal: str | None = None  # why a multi-process engine stopped for good
         self.on_fatal = lambda: None   # called on the engine thread once `fatal` is set
         self._thread = threading.Thread(target=self._run, name="kimik3-engine", daemon=True)
@@ -113,6 +116,12 @@ class AsyncEngine:
                 "steps": self.steps, "failed_steps": self.failed_steps, "cancelled": self.cancelled,
                 "alive": self._thread.is_alive()}
 
+    def stats(self) -> dict:
+        """Engine.stats() as of the last refresh: the engine thread takes it between steps (no read
+        races a step) when a request finished, else at most every STATS_EVERY_S seconds, and when
+        it goes idle."""
+        return self._stats
+
     def close(self):
         self._stopping = True
         self._wake.set()
@@ -129,6 +138,7 @@ class AsyncEngine:
             self._wake.clear()  # before draining: a command posted after the drain sets it again
             self._drain()
             if not eng.has_work():
+                self._refresh_stats()
                 self._wake.wait()
                 continue
             if self.followers is not None:
@@ -146,6 +156,8 @@ class AsyncEngine:
                     self.fatal = reason[len("error: "):]
                     announce_failure(f"process 0: {self.fatal}")
                     self._stopping = True
+            if eng.done or time.monotonic() - self._stats_at > STATS_EVERY_S:
+                self._refresh_stats()  # before delivering: a finished request's last delta sees its counts
             for req, tokens in events:
                 self._deliver(req, tokens)
             eng.done.clear()  # finished requests were delivered; a server must not keep them all
@@ -154,6 +166,9 @@ class AsyncEngine:
             self.on_fatal()
         elif self.followers is not None:
             self.followers.send(STOP)
+
+    def _refresh_stats(self):
+        self._stats, self._stats_at = self.engine.stats(), time.monotonic()
 
     def _posted(self):
         """The commands posted so far, oldest first (taken off the queue)."""

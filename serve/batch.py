@@ -33,6 +33,7 @@ from tqdm import tqdm
 from sharding.distributed import Messages, broadcast_json, is_primary
 
 from .engine import Engine, SamplingParams
+from .engine_stats import merge_stats
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 
@@ -226,7 +227,7 @@ def run_batch(model, input_path: str, output_path: str, tokenizer, defaults: dic
     bar.close()
     _end_together(lanes.count > 1)
     summary["seconds"] = time.perf_counter() - t0
-    summary.update({k: v for k, v in _merged_stats(stats).items() if k not in summary})  # prefix-cache counters
+    summary.update({k: v for k, v in merge_stats(stats).items() if k not in summary})  # prefix-cache counters
     summary["tokens_per_s"] = summary["tokens"] / max(summary["seconds"], 1e-9)
     return summary
 
@@ -336,19 +337,6 @@ def _end_together(replicated: bool) -> None:
         end.send(True)
     else:
         end.receive()
-
-
-def _merged_stats(stats: list) -> dict:
-    """The replicas' engine counters added up (the hit rate recomputed; other ratios: the first's)."""
-    out = dict(stats[0])
-    if len(stats) == 1:
-        return out
-    for s in stats[1:]:
-        for k, v in s.items():
-            if isinstance(v, int) and not isinstance(v, bool) and k != "spec_depth":
-                out[k] += v
-    out["prefix_hit_rate"] = out["prefix_hit_tokens"] / max(out["prompt_tokens"], 1)
-    return out
 
 
 def _result(req, tokenizer) -> dict:

@@ -186,6 +186,7 @@ class Engine:
         self.slots: list[Request | None] = [None] * max_batch
         self.waiting: deque[Request] = deque()
         self.done: list[Request] = []
+        self.admitted_prompt_tokens = 0  # with the prefix cache off (it counts its own)
         self._ids = itertools.count()
         self._reset = np.zeros(max_batch, bool)
         self.prefix = (PrefixCache(self, cache_block, device_cache_bytes, host_cache_bytes, checkpoint_interval)
@@ -257,8 +258,8 @@ class Engine:
         if self.prefix is not None:
             out = self.prefix.stats()
         else:
-            prompt = sum(len(r.prompt) for r in self.done) + sum(len(r.prompt) for r in self.running)
-            out = {"prompt_tokens": prompt, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0, "kda_checkpoints": 0,
+            out = {"prompt_tokens": self.admitted_prompt_tokens, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0,
+                   "kda_checkpoints": 0,
                    "host_restored_bytes": 0, "evictions": 0}
         if self.spec is not None:
             out.update(self.spec.stats())
@@ -296,6 +297,9 @@ class Engine:
                 assert not req.pages, "a waiting request holds no pages"
                 req.slot, req.fed = s, 0
                 self.slots[s] = req
+                if self.prefix is None and req.prefix_hit_tokens is None:  # admitted for the first time
+                    req.prefix_hit_tokens = 0
+                    self.admitted_prompt_tokens += len(req.prompt)
                 self._reset[s] = not (hit is not None and self.prefix.restore(req, hit, s))
         finally:
             self.waiting.extendleft(reversed(held))
@@ -612,3 +616,4 @@ class Engine:
             r.output.finish_reason = r.finish_reason
             r.output.text = r.text if r.text is not None else (tok.decode(r.output) if tok is not None else None)
         return [r.output for r in reqs]
+

@@ -20,6 +20,7 @@ from sharding.distributed import Messages
 
 from .async_engine import STOP, AsyncEngine, Delta, RequestStream, params_from_json
 from .engine import SamplingParams
+from .engine_stats import merge_stats
 
 
 def _channels(index: int, leader: int):
@@ -53,6 +54,7 @@ class RemoteReplica:
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
         self._snapshot = {"running": 0, "waiting": 0, "pages_free": 0, "pages_total": 0, "steps": 0,
                           "failed_steps": 0, "cancelled": 0}
+        self._stats: dict | None = None  # the replica's AsyncEngine.stats(), once it sent them
         self._thread = threading.Thread(target=self._receive, args=(out,), name=f"kimik3-replica{index}", daemon=True)
         self._thread.start()
 
@@ -71,7 +73,7 @@ class RemoteReplica:
             message = out.receive()
             if message is None or message.get("stop"):
                 return
-            self._snapshot = message["snapshot"]
+            self._snapshot, self._stats = message["snapshot"], message["stats"]
             for rid, tokens, finished, reason, text, metrics, logprobs in message["deltas"]:
                 target = self._streams.pop(rid, None) if finished else self._streams.get(rid)
                 if target is not None:
@@ -87,6 +89,10 @@ class RemoteReplica:
         """The replica's AsyncEngine.snapshot as of its last message."""
         return dict(self._snapshot, alive=self._thread.is_alive())
 
+    def stats(self) -> dict | None:
+        """The replica's engine counters as of its last message (None before the first)."""
+        return self._stats
+
     def close(self):
         self._send(["stop"])
         self._thread.join(timeout=60)
@@ -100,7 +106,7 @@ async def serve_replica(aengine: AsyncEngine, index: int, leader: int) -> None:
 
     def send(deltas):
         with lock:
-            out.send({"deltas": deltas, "snapshot": aengine.snapshot()})
+            out.send({"deltas": deltas, "snapshot": aengine.snapshot(), "stats": aengine.stats()})
 
     async def pump(rid, stream):
         n, req = 0, stream.request
@@ -174,6 +180,10 @@ class Dispatcher:
         out["alive"] = all(s["alive"] for s in snaps)
         out["replicas"] = len(snaps)
         return out
+
+    def stats(self) -> dict:
+        """Every replica's engine counters added up (serve.engine.merge_stats)."""
+        return merge_stats([s for s in (r.stats() for r in self.replicas) if s is not None])
 
     def close(self):
         for r in self.replicas:

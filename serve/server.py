@@ -217,13 +217,14 @@ class Metrics:
 
 
 class _EngineStats:
-    """Every number of Engine.stats() (prefix cache, speculation) as a gauge kimik3_engine_<key>."""
+    """Every number of the engine's stats (prefix cache, speculation; added up over data-parallel
+    replicas) as a gauge kimik3_engine_<key>."""
 
     def __init__(self, aengine: AsyncEngine):
         self.aengine = aengine
 
     def collect(self):
-        for k, v in self.aengine.engine.stats().items():
+        for k, v in self.aengine.stats().items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 yield GaugeMetricFamily(f"kimik3_engine_{k}", f"Engine.stats()[{k!r}]", value=v)
 

@@ -45,6 +45,42 @@ from sharding.rules import MoEAxes, moe_axes, param_specs
 from .common import F32, INIT_STD, Weight, declared_axes, glu, rms_normalize
 
 HIGHEST = jax.lax.Precision.HIGHEST
+BF16 = jnp.bfloat16
+# From this many bf16 rows the router runs on tensor cores (router_logits). Below it the fp32
+# matmul is a memory-bound GEMV reading the fp32 gate once, cheaper than writing and reading its
+# three bf16 pieces; above it the fp32 matmul is compute-bound on CUDA cores (FFMA).
+ROUTER_SPLIT_ROWS = 256
+
+
+def split_bf16(w):
+    """Three bf16 arrays whose fp32 sum is w exactly (each takes the next 8 significant bits)."""
+    hi = w.astype(BF16)
+    rest = w - hi.astype(F32)  # exact: w and its rounding share their leading bits
+    mid = rest.astype(BF16)
+    return hi, mid, (rest - mid.astype(F32)).astype(BF16)
+
+
+def router_fp32(x, gate):
+    """x @ gate in fp32 (HIGHEST: no reduced-precision passes)."""
+    return jnp.dot(x.astype(F32), gate.astype(F32), precision=HIGHEST)
+
+
+def router_pieces(x, gate):
+    """x (bf16) @ gate as three bf16 matmuls against the gate's exact bf16 pieces, accumulated in
+    fp32 (tensor cores). A bf16 x times a bf16 piece is exact in fp32, so this equals
+    router_fp32 up to the order of the fp32 additions."""
+    hi, mid, lo = (jnp.dot(x.astype(BF16), piece, preferred_element_type=F32)
+                   for piece in split_bf16(gate.astype(F32)))
+    return (hi + mid) + lo
+
+
+def router_logits(x, gate):
+    """fp32 router logits x [N, D] @ gate [D, E]: on the bf16 pieces for bf16 activations of at
+    least ROUTER_SPLIT_ROWS rows, else in fp32 (tests/model: the same expert ids on a large
+    sample)."""
+    if x.dtype == BF16 and x.shape[0] >= ROUTER_SPLIT_ROWS:
+        return router_pieces(x, gate)
+    return router_fp32(x, gate)
 
 
 def _proj(x, p, dt):
@@ -108,6 +144,24 @@ def route(logits, bias, cfg):
     return idx, w * cfg.routed_scaling_factor
 
 
+# Up to this many (token, expert) pairs their order by expert is counted (one fused compare and
+# sum) rather than sorted: a sort kernel costs several launches even for a decode step's few pairs.
+COUNTED_ORDER_PAIRS = 4096
+
+
+def expert_order(key):
+    """(order, rank) of key [M] int: the stable ascending order (what argsort(stable=True)
+    returns) and each entry's place in it (order[rank[i]] == i). The same permutation either way."""
+    M = key.shape[0]
+    at = jnp.arange(M, dtype=jnp.int32)
+    if M <= COUNTED_ORDER_PAIRS:  # entries before i: smaller keys, and equal keys earlier
+        before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (at[None, :] < at[:, None]))
+        rank = jnp.sum(before, axis=1, dtype=jnp.int32)
+        return jnp.zeros((M,), jnp.int32).at[rank].set(at, unique_indices=True), rank
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    return order, jnp.zeros((M,), jnp.int32).at[order].set(at, unique_indices=True)
+
+
 def _grouped_weight(experts: dict, name: str, dtype, layout: str = "k3"):
     """Routed expert weight `name` for moe_gmm: dense [E, in, out], or MXFP4 kept packed
     ([E, out, in/2] + scales; the kernel dequantises in place, the reference path dequantises),
@@ -132,7 +186,7 @@ def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0,
     N, k = idx.shape
     local = idx.reshape(-1) - first
     key = jnp.where((local >= 0) & (local < E_local), local, E_local)  # held elsewhere: sorted last
-    order = jnp.argsort(key, stable=True)
+    order, rank = expert_order(key)
     group_sizes = jnp.bincount(key, length=E_local + 1)[:E_local].astype(jnp.int32)
     rows = order[:N * min(k, E_local)]  # a token's k experts are distinct: its held pairs fit
     # x split (where the kernel wants it) on the N tokens, then the N * k rows gathered
@@ -144,8 +198,7 @@ def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0,
     # Un-permute as a gather through the inverse of `rows` (pairs without a row read zeros), then
     # the weighted k-sum: the gather fuses into the sum, where a scatter of y into pair order
     # was a kernel of its own.
-    pos = jnp.full((N * k,), rows.shape[0], jnp.int32).at[rows].set(
-        jnp.arange(rows.shape[0], dtype=jnp.int32))
+    pos = jnp.where(rank < rows.shape[0], rank, rows.shape[0])
     yk = jnp.take(y, pos.reshape(N, k), axis=0, mode="fill", fill_value=0)  # [N, k, D]
     return jnp.sum(weights.astype(F32)[..., None] * yk.astype(F32), axis=1)
 
@@ -173,7 +226,7 @@ def moe_apply(cfg, p, xf, backend=None, axes: MoEAxes = MoEAxes(), fuse_glu=Fals
     shared experts + up-projection (dedup) or shared + routed (no latent). `fuse_glu`: see
     `experts_combine`."""
     dt = cfg.jnp_dtype
-    logits = jnp.dot(xf.astype(F32), p["gate"].astype(F32), precision=HIGHEST)
+    logits = router_logits(xf, p["gate"])
     idx, w = route(logits, p["e_score_correction_bias"], cfg)
     L = cfg.routed_expert_hidden_size
     u = _proj(xf, p["routed_expert_down_proj"], dt) if L else xf

@@ -72,6 +72,25 @@ def test_correction_bias_selects_but_does_not_weight():
     assert same.any() and jnp.max(jnp.abs(jnp.where(same[:, None], w1 - w0, 0))) < 1e-6
 
 
+def test_router_on_bf16_pieces_picks_the_fp32_routers_experts():
+    """K3's router shape: from ROUTER_SPLIT_ROWS bf16 rows the logits come from the gate's three
+    bf16 pieces; they match the fp32 matmul to its own rounding and choose the same experts."""
+    from kimik3.layers.moe import ROUTER_SPLIT_ROWS, router_fp32, router_logits, split_bf16
+
+    cfg = kimik3.Config.preset("kimi-k3")
+    kx, kg = jax.random.split(jax.random.key(1))
+    gate = 0.02 * jax.random.normal(kg, (cfg.hidden_size, cfg.num_experts), jnp.float32)
+    assert bool(jnp.array_equal(sum(p.astype(jnp.float32) for p in split_bf16(gate)), gate))  # exact pieces
+    x = jax.random.normal(kx, (2048, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    want = jnp.dot(x.astype(jnp.float32), gate, precision=jax.lax.Precision.HIGHEST)  # written out
+    got = jax.jit(router_logits)(x, gate)
+    assert jnp.max(jnp.abs(got - want)) < 1e-5 * jnp.max(jnp.abs(want))
+    few = x[:ROUTER_SPLIT_ROWS - 1]  # fewer rows: the fp32 matmul itself
+    assert bool(jnp.array_equal(jax.jit(router_logits)(few, gate), jax.jit(router_fp32)(few, gate)))
+    bias = jnp.zeros(cfg.num_experts)
+    assert bool(jnp.array_equal(route(got, bias, cfg)[0], route(want, bias, cfg)[0]))
+
+
 def _plain_residual_logits(model, toks):
     """An independent composition of the layer modules with ordinary residuals."""
     cfg, P = model.cfg, model.params
@@ -187,3 +206,15 @@ def test_init_on_a_mesh_gives_the_same_model(tiny_models):
     assert _rel(kimik3.forward(model, toks), kimik3.forward(tiny_models["tiny"], toks)) < 1e-5
     with pytest.raises(ValueError, match="needs 16 devices"):
         sharding.make_mesh(tensor=16)
+
+
+@pytest.mark.parametrize("pairs", [1, 16, 1000, 5000])
+def test_expert_order_is_the_stable_argsort(pairs):
+    """Counted (up to COUNTED_ORDER_PAIRS pairs) or sorted, the permutation is argsort's, ties
+    in order; rank inverts it."""
+    from kimik3.layers.moe import expert_order
+
+    key = jax.random.randint(jax.random.key(pairs), (pairs,), 0, 9)  # many ties
+    order, rank = jax.jit(expert_order)(key)
+    assert np.array_equal(np.asarray(order), np.argsort(np.asarray(key), kind="stable"))
+    assert np.array_equal(np.asarray(order)[np.asarray(rank)], np.arange(pairs))

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, driven by the official `openai` client: outputs equal the engine's,
 every error is an OpenAI-style JSON error, a disconnect frees the request's pages."""
 import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -313,11 +314,15 @@ def test_two_processes_serve_one_mesh(model, mesh):
 
         got = asyncio.run(run())
         health = httpx.get(url + "/health", timeout=10).json()
+        metrics = httpx.get(url + "/metrics", timeout=10).text
     finally:
         procs[0].send_signal(signal.SIGINT)
         status = finish(procs, 120)
     want = [kimik3.generate(model, [p], max_new_tokens=n)[0] for p, n in zip(prompts + prompts[:1], lengths + [4])]
     assert got == want
+    # the engine counters cover every replica: each request's prompt counted once
+    sent = sum(map(len, prompts)) + 3 + len(prompts[0])
+    assert re.search(r"^kimik3_engine_prompt_tokens (\S+)$", metrics, re.M).group(1) == f"{float(sent)}", metrics
     if "--data-parallel" in mesh:
         assert health["replicas"] == 2 and health["steps"] > 0
     for pid, (rc, err) in enumerate(status):
