@@ -15,7 +15,7 @@ from sharding.distributed import host_value
 from .model import Cache, KimiLM, Model
 from .runtime import bucket, check_tokens, mesh_context, prefill, run_mesh
 from .sampling import check_sampling, sample_step
-from .tokenizer import default_tokenizer
+from .tokenizer import IncrementalDecoder, default_tokenizer
 
 
 class Completion(list):
@@ -38,6 +38,7 @@ class Completion(list):
         super().__init__(tokens)
         self.text, self.finish_reason = text, finish_reason
         self.logprobs, self.top_logprobs = logprobs, top_logprobs
+        self.decoder = None  # the stop-string search's text so far (accept_token)
 
     @property
     def tokens(self) -> list[int]:
@@ -89,8 +90,12 @@ def accept_token(out: Completion, token: int, max_new_tokens: int, stop_tokens, 
         out.logprobs.append(logprob[0])
         out.top_logprobs.append(logprob[1])
     if stop_strings:
-        text = tokenizer.decode(out)
-        hits = [text.index(s) for s in stop_strings if s in text]
+        if out.decoder is None:
+            out.decoder = IncrementalDecoder(tokenizer)
+        seen = len(out.decoder.settled)  # searched already, up to a stop string's length back
+        text = out.decoder.push([token])
+        lo = max(0, seen - max(map(len, stop_strings)) + 1)
+        hits = [i for i in (text.find(s, lo) for s in stop_strings) if i >= 0]
         if hits:
             out.text = text[:min(hits)]
             return "stop"

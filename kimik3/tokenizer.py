@@ -114,6 +114,29 @@ class KimiTokenizer(Tokenizer):
         return self.encode(text, allow_special=True)
 
 
+class IncrementalDecoder:
+    """The text of a growing token list, decoding per push only the tokens since the text last
+    ended on a whole character (plus the push before, as the decoder's context): linear, not
+    quadratic, in the length. `push` returns the whole text so far; a trailing partial UTF-8
+    character shows as U+FFFD until its last byte arrives. `settled`: the text that no later
+    push changes."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.settled = ""  # the text of tokens[:read], whole characters
+        self.prefix = self.read = 0  # the window decoded again starts one push back
+
+    def push(self, tokens) -> str:
+        self.tokens += tokens
+        before = self.tokenizer.decode(self.tokens[self.prefix:self.read])
+        pending = self.tokenizer.decode(self.tokens[self.prefix:])[len(before):]
+        text = self.settled + pending
+        if not pending.endswith("\ufffd"):  # whole characters: settle them, move the window on
+            self.settled, self.prefix, self.read = text, self.read, len(self.tokens)
+        return text
+
+
 def load_tokenizer(directory: str) -> Tokenizer:
     """The tokenizer a checkpoint directory ships."""
     return KimiTokenizer(directory)

@@ -81,8 +81,23 @@ class Request:
 
     @property
     def sequence(self):
-        """What the cache must hold before the next sample: prompt, then all but the newest output."""
+        """What the cache must hold before the next sample: prompt, then all but the newest output.
+        A new list each time: per-step code uses seq_len and tokens() (a long context's copy per
+        request per step was host time the device waited for)."""
         return self.prompt + self.output
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def tokens(self, start: int, end: int) -> list:
+        """sequence[start:end], copying only that span."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        if start >= n:
+            return self.output[start - n:end - n]
+        return self.prompt[start:] + self.output[:end - n]
 
     @property
     def metrics(self) -> dict:
@@ -286,7 +301,7 @@ class Engine:
                     held.append(self.waiting.popleft())
                 else:
                     return
-                need = math.ceil((len(req.sequence) + 1) / self.page_size)
+                need = math.ceil((req.seq_len + 1) / self.page_size)
                 if hit is not None:
                     need -= self.prefix.shared_pages(hit)
                 if self.available_pages() - self._reserve() < need:
@@ -384,7 +399,7 @@ class Engine:
                 self._finish(req, "error: the request does not fit in the cache pages")
                 return [(req, [])]
             return []
-        prefilling = [r for r in running if r.fed < len(r.sequence) - (1 if r.output else 0)]
+        prefilling = [r for r in running if r.fed < r.seq_len - (1 if r.output else 0)]
         B = self.max_batch
         start = np.zeros(B, np.int32)
         n_new = np.zeros(B, np.int32)
@@ -401,7 +416,7 @@ class Engine:
                 if r in prefilling:
                     end = r.fed + self.prefill_chunk
                     end = end if self.prefix is None else self.prefix.chunk_end(r, end)
-                    todo = r.sequence[r.fed:end]
+                    todo = r.tokens(r.fed, end)
                 else:
                     todo = [r.output[-1]]
                 if self._ensure_pages(r, r.fed + len(todo)):
@@ -446,23 +461,22 @@ class Engine:
             table[s, :len(r.pages)] = r.pages
             seeds[s], gen[s] = p.seed, len(r.output)
             temp[s], top_k[s], top_p[s] = p.temperature, p.top_k, p.top_p
-        args = [jnp.asarray(a) for a in (start, n_new)]
+        # host arrays go to the jitted steps as they are: jit moves them in its C++ dispatch, where
+        # a jnp.asarray each was a Python-level dispatch per array per step
         want_lp = any(r.params.return_logprobs for r in running)  # else the steps skip that work
-        common = dict(page_table=jnp.asarray(table), seeds=jnp.asarray(seeds), gen_idx=jnp.asarray(gen),
-                      temperature=jnp.asarray(temp), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p),
+        common = dict(page_table=table, seeds=seeds, gen_idx=gen, temperature=temp, top_k=top_k, top_p=top_p,
                       backend=self.backend, dcp_axes=self.dcp_axes, logprobs=want_lp)
         # on a mesh the MoE layers run in shard_map (dedup / expert parallelism) under it
         clock = Stopwatch()
         with mesh_context(self.mesh), clock:
             if prefilling:
-                sampled, lp, self.layers = mixed_step(self.model, self.layers, jnp.asarray(tokens), *args,
-                                                      jnp.asarray(self._reset), **common)
+                sampled, lp, self.layers = mixed_step(self.model, self.layers, tokens, start, n_new,
+                                                      self._reset, **common)
                 sampled = np.asarray(sampled)[None]  # [1, B]
                 lp = lp and tuple(np.asarray(a)[None] for a in lp)
             else:
-                sampled, fed, lp, self.layers = decode_steps(self.model, self.layers, jnp.asarray(tokens),
-                                                             args[0], args[1], stops=jnp.asarray(stops),
-                                                             limit=jnp.asarray(limit), steps=steps, **common)
+                sampled, fed, lp, self.layers = decode_steps(self.model, self.layers, tokens, start, n_new,
+                                                             stops=stops, limit=limit, steps=steps, **common)
                 sampled, n_new = np.asarray(sampled), np.asarray(fed)
                 lp = lp and tuple(np.asarray(a) for a in lp)
         if self.spec is not None and not prefilling:
@@ -478,7 +492,7 @@ class Engine:
                 self.prefix.after_step(r)
             if r.fed < len(r.prompt):  # mid-prefill: the sample is not a token yet
                 continue
-            if prefilling and r.fed < len(r.sequence):  # recomputing after preemption
+            if prefilling and r.fed < r.seq_len:  # recomputing after preemption
                 continue
             rows = None
             if r.params.return_logprobs:  # per step: (chosen, {id: logprob}) of this row
@@ -535,8 +549,7 @@ class Engine:
         clock = Stopwatch()
         with mesh_context(self.mesh), clock:
             samples, accepted, lp, self.layers = verify_step(
-                self.model, self.layers, *(jnp.asarray(a) for a in (tokens, start, n_new, table, seeds, gen,
-                                                                    temp, top_k, top_p, stops)),
+                self.model, self.layers, tokens, start, n_new, table, seeds, gen, temp, top_k, top_p, stops,
                 backend=self.backend, dcp_axes=self.dcp_axes, logprobs=want_lp)
             samples, accepted = np.asarray(samples), np.asarray(accepted)
             lp = lp and tuple(np.asarray(a) for a in lp)

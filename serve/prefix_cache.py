@@ -203,9 +203,9 @@ class PrefixCache:
     def after_step(self, req):
         """After a device call: cache the request's newly completed blocks and checkpoint its
         state if it ends at a checkpoint position."""
-        seq, fed = req.sequence, req.fed
-        self._commit(req, min(fed, len(seq)))
-        if 0 < fed <= len(seq) and (fed % self.interval == 0 or fed == req.prefix.junction or fed in req.prefix.wanted
+        fed, n = req.fed, req.seq_len
+        self._commit(req, min(fed, n))
+        if 0 < fed <= n and (fed % self.interval == 0 or fed == req.prefix.junction or fed in req.prefix.wanted
                                     or fed in (len(req.prompt), self._aligned_end(req))):
             self._checkpoint(req, fed, final=False)
             if fed == len(req.prompt):
@@ -220,9 +220,9 @@ class PrefixCache:
         its state if it is exactly at a known position, and unpin its nodes."""
         if req.prefix is None:
             return
-        seq, fed = req.sequence, req.fed
-        self._commit(req, min(fed, len(seq)))
-        if 0 < fed <= len(seq):
+        fed, n = req.fed, req.seq_len
+        self._commit(req, min(fed, n))
+        if 0 < fed <= n:
             self._checkpoint(req, fed, final=True)
         end = req.prefix.prompt_end
         if fed > len(req.prompt) and end is not None and id(end) in self.index.lru:
@@ -235,11 +235,10 @@ class PrefixCache:
 
     def _commit(self, req, known: int):
         rc, eng = req.prefix, self.eng
-        seq = req.sequence if rc.depth + self.block <= known else None  # a new list per access: once
         while rc.depth + self.block <= known:
             parent = rc.chain[-1] if rc.chain else self.index.root
             lo = rc.depth
-            toks = seq[lo:lo + self.block]
+            toks = req.tokens(lo, lo + self.block)
             key = chain_key(parent.key, toks)
             node = parent.children.get(key)
             own = req.pages[lo // self.ps:(lo + self.block) // self.ps]
@@ -262,7 +261,7 @@ class PrefixCache:
         """The node ending exactly at `pos` on the request's path (its block, or a tail)."""
         rc = req.prefix
         parent = rc.chain[-1] if rc.chain else self.index.root
-        return parent if pos == rc.depth else self.index.tail(parent, req.sequence[rc.depth:pos])
+        return parent if pos == rc.depth else self.index.tail(parent, req.tokens(rc.depth, pos))
 
     def _checkpoint(self, req, pos: int, final: bool):
         rc, eng, ps = req.prefix, self.eng, self.ps
@@ -272,7 +271,7 @@ class PrefixCache:
             if not parent.has_ckpt:
                 self._add_ckpt(parent, read_state(eng.layers, req.slot))
             return
-        toks = req.sequence[rc.depth:pos]
+        toks = req.tokens(rc.depth, pos)
         node = self.index.tail(parent, toks)
         if node is not None:
             self.index.touch(node)

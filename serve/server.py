@@ -23,6 +23,8 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kimik3.tokenizer import IncrementalDecoder
+
 from .async_engine import AsyncEngine, EngineStopped, QueueFull
 from .engine import SamplingParams
 
@@ -131,27 +133,14 @@ def _message_text(message: dict) -> dict:
 
 class TextStream:
     """Turns a growing token list into text deltas. Holds back a trailing partial UTF-8 character
-    and any tail that could still become a stop string (the engine cuts the text at the stop).
-    Decodes only a window of recent tokens per push (the text before it is settled), so a long
-    answer costs linear, not quadratic, decoding."""
+    and any tail that could still become a stop string (the engine cuts the text at the stop)."""
 
     def __init__(self, tokenizer, stops: tuple):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.tokens: list[int] = []
-        self.settled = ""  # text of tokens[:read], whole characters
-        self.prefix = self.read = 0  # the window decoded again starts one push back (context for the decoder)
+        self.decoder, self.stops = IncrementalDecoder(tokenizer), stops
         self.sent = 0
 
     def push(self, tokens, final_text: str | None = None, finished: bool = False) -> str:
-        self.tokens += tokens
-        if final_text is not None:
-            text = final_text
-        else:
-            before = self.tokenizer.decode(self.tokens[self.prefix:self.read])
-            pending = self.tokenizer.decode(self.tokens[self.prefix:])[len(before):]
-            text = self.settled + pending
-            if not pending.endswith("\ufffd"):  # whole characters: settle them, move the window on
-                self.settled, self.prefix, self.read = text, self.read, len(self.tokens)
+        text = self.decoder.push(tokens) if final_text is None else final_text
         ready = len(text)
         if not finished:
             ready = len(text.rstrip("\ufffd"))

@@ -1,10 +1,13 @@
-"""The Kimi tokenizer from a checkpoint directory (tiktoken BPE + tokenizer_config.json)."""
+"""The Kimi tokenizer from a checkpoint directory (tiktoken BPE + tokenizer_config.json), and
+stop strings found in the decoded output."""
 import base64
 import json
 
+import numpy as np
 import pytest
 
 import kimik3
+from kimik3.tokenizer import ByteTokenizer
 
 # A tiny BPE: the 256 bytes, then merges that build "hello" and the Han pair "你好".
 MERGES = [b"he", b"ll", b"llo", b"hello", "你".encode(), "你好".encode()]
@@ -62,3 +65,28 @@ def test_missing_files_and_template(tmp_path):
 def test_byte_tokenizer_round_trip():
     tok = kimik3.default_tokenizer(kimik3.Config.preset("tiny"))
     assert tok.decode(tok.encode("héllo", add_bos=True)) == "héllo"
+
+
+def test_stop_strings_are_found_incrementally_where_the_whole_text_has_them():
+    """accept_token decodes a window per token; it stops at the first token whose whole decoded
+    output contains a stop string, and cuts the text there, as decoding everything would."""
+    from kimik3.generation import Completion, accept_token
+
+    rng = np.random.default_rng(0)
+    tok = ByteTokenizer(320)
+    pieces = [b"a", b"E", b"N", b"D", b"!", "\u00e9".encode(), "\u6f22".encode(), "\U0001f642".encode()]
+    stops = ("END", "\u00e9!", "\u6f22a")
+    for _ in range(200):
+        ids = [b for _ in range(rng.integers(1, 30)) for b in pieces[rng.integers(len(pieces))]]
+        out, reason = Completion(), None
+        for t in ids:
+            reason = accept_token(out, t, 10 ** 6, set(), stops, tok)
+            if reason:
+                break
+        want = next((k for k in range(1, len(ids) + 1) if any(s in tok.decode(ids[:k]) for s in stops)), None)
+        if want is None:
+            assert reason is None and len(out) == len(ids)
+        else:
+            text = tok.decode(ids[:want])
+            assert (reason, len(out)) == ("stop", want)
+            assert out.text == text[:min(text.index(s) for s in stops if s in text)]
