@@ -127,6 +127,42 @@ def add_mesh_flags(p):
     add_process_flags(p)
 
 
+def add_cache_flags(p):
+    """The prefix cache's flags, shared by batch, serve and replay (Engine's arguments of the same
+    names; serve.engine.Engine explains each)."""
+    g = p.add_argument_group("prefix cache")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="compute every prompt from its first token (by default prompts reuse the MLA pages "
+                        "and KDA checkpoints of prefixes already computed)")
+    g.add_argument("--cache-memory-gb", type=_float_in(0, low_open=True), default=None, metavar="GB",
+                   help="device memory for the cache: MLA pages, KDA state slots and checkpoints (default: "
+                        "pages for every slot at --max-seq-len; more keeps more prefixes between turns)")
+    g.add_argument("--host-cache-gb", type=_float_in(0), default=0.0, metavar="GB",
+                   help="host memory that evicted prefix pages and checkpoints move to, restored on a hit "
+                        "(default 0: evicted prefixes are recomputed)")
+    g.add_argument("--cache-block", type=_positive, default=64,
+                   help="tokens a prefix is matched by (a multiple of --page-size)")
+    g.add_argument("--checkpoint-interval", type=_positive, default=None, metavar="TOKENS",
+                   help="tokens between the KDA checkpoints a long prefill takes (default: as many tokens as "
+                        "weigh one checkpoint in MLA pages)")
+
+
+def check_cache_flags(args):
+    """UsageError for cache flags that cannot work together, before any weights are loaded."""
+    if args.cache_block % args.page_size:
+        raise UsageError(f"--cache-block {args.cache_block} must be a multiple of --page-size {args.page_size}")
+    if not args.prefix_cache and args.host_cache_gb:
+        raise UsageError("--host-cache-gb holds evicted prefixes: drop it or drop --no-prefix-cache")
+
+
+def cache_kwargs(args) -> dict:
+    """Engine keyword arguments from add_cache_flags' flags."""
+    gb = args.cache_memory_gb
+    return dict(prefix_cache=args.prefix_cache, memory_budget_bytes=None if gb is None else int(gb * 1e9),
+                host_cache_bytes=int(args.host_cache_gb * 1e9), cache_block=args.cache_block,
+                checkpoint_interval=args.checkpoint_interval)
+
+
 def add_data_parallel_flag(p):
     p.add_argument("--data-parallel", type=_positive, default=1, metavar="N",
                    help="data-parallel replicas: N copies of the --tensor x --dcp mesh (devices used: N x tensor x "
@@ -304,6 +340,7 @@ def _batch_path_error(args) -> str | None:
 
 def _batch(args) -> int:
     kind = check_model_flags(args)
+    check_cache_flags(args)
     if args.page_size % args.dcp:
         raise UsageError(f"--page-size {args.page_size} must be a multiple of the DCP size {args.dcp} (--dcp)")
     start_processes(args)
@@ -323,7 +360,8 @@ def _batch(args) -> int:
                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed),
                         max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
                         prefill_chunk=args.prefill_chunk, speculative=args.speculative,
-                        num_speculative_tokens=args.num_speculative_tokens, progress=not args.quiet)
+                        num_speculative_tokens=args.num_speculative_tokens, progress=not args.quiet,
+                        **cache_kwargs(args))
     if not sharding.is_primary():
         return 0
     print(f"kimik3 batch: {summary['requests']} requests, {summary['tokens']} tokens in {summary['seconds']:.1f}s "
@@ -351,6 +389,7 @@ def _add_batch(sub):
                    help="speculative decoding: ngram = drafts looked up in the request's own tokens (no weights)")
     b.add_argument("--num-speculative-tokens", type=speculative_depth, default="auto",
                    help="draft depth: auto (chosen by measured tokens per second; 0 = off) or 1..7")
+    add_cache_flags(b)
     add_mesh_flags(b)
     add_data_parallel_flag(b)
     b.add_argument("--quiet", action="store_true", help="no progress bar")

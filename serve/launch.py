@@ -9,7 +9,7 @@ import gc
 import os
 import sys
 
-from .cli import UsageError, add_data_parallel_flag, add_process_flags, speculative_depth
+from .cli import UsageError, add_cache_flags, add_data_parallel_flag, add_process_flags, speculative_depth
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None = "tiny"):
@@ -38,6 +38,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None =
     p.add_argument("--dcp", type=int, default=1,
                    help="decode context parallelism: split every cache page over this many devices "
                         "(--page-size must be a multiple; devices used: tensor x dcp)")
+    add_cache_flags(p)
 
 
 def settle_heap():
@@ -55,11 +56,13 @@ def engine_factory(args):
     one data-parallel replica's sub-mesh when given one). ValueError on bad flags."""
     from sharding.replicas import on_replica
 
-    from .cli import check_model_flags, load_model, make_mesh
+    from .cli import cache_kwargs, check_cache_flags, check_model_flags, load_model, make_mesh
     from .engine import Engine  # JAX is imported when an engine is built, not when flags are parsed
 
+    kind = check_model_flags(args)
+    check_cache_flags(args)
     mesh = make_mesh(args)
-    model, tokenizer, _ = load_model(args, check_model_flags(args), mesh)
+    model, tokenizer, _ = load_model(args, kind, mesh)
     settle_heap()
     dcp_axes = ("dcp",) if args.dcp > 1 else ()
 
@@ -68,7 +71,7 @@ def engine_factory(args):
         return Engine(weights, max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
                       num_pages=args.num_pages, prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
                       tokenizer=tokenizer, dcp_axes=dcp_axes, speculative=args.speculative,
-                      num_speculative_tokens=args.num_speculative_tokens)
+                      num_speculative_tokens=args.num_speculative_tokens, **cache_kwargs(args))
 
     if getattr(args, "data_parallel", 1) == 1:
         factory()  # engine settings are checked now, before anything is served
