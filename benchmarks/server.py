@@ -41,6 +41,9 @@ def add_args(p):
     p.add_argument("--turns", type=int, default=4, help="turns a session")
     p.add_argument("--target", type=float, default=50.0, help="output tokens/s per user at P90")
     p.add_argument("--depth", type=int, default=12, help="layers of the K3 slice")
+    p.add_argument("--cache-memory-gb", type=float, default=32.0,
+                   help="the curves' device cache budget (MLA pages, KDA slots and checkpoints), as a server "
+                        "given the memory its weights leave would have; smoke: the slots' own pages")
     p.add_argument("--parts", type=choices_arg(*PARTS), default=list(PARTS),
                    help=f"which parts to run, of {','.join(PARTS)} (default all)")
 
@@ -106,17 +109,19 @@ def curve(rec, model, tok, args, smoke, prefix_cache):
                                      32 if smoke else 256, 8 if smoke else 64, 20.0 if smoke else 200.0,
                                      10.0 if smoke else 100.0, 64, 0)
     name = "on" if prefix_cache else "off"
+    budget = None if smoke else int(args.cache_memory_gb * 1e9)
     report = run_replay(sessions, engine_factory=lambda: Engine(model, tokenizer=tok, prefix_cache=prefix_cache,
-                                                                **engine_kw(smoke)),
+                                                                memory_budget_bytes=budget, **engine_kw(smoke)),
                         concurrencies=args.concurrency or ([1, 4] if smoke else [1, 4, 8, 16]),
                         target=args.target, plot=os.path.join(args.out, f"server-prefix-{name}.png"))
-    rec.details[f"curve_prefix_{name}"] = report
+    rec.details[f"curve_prefix_{name}"] = dict(report, cache_memory_bytes=budget)
     at = report["sweep"]["throughput_at_target_per_gpu"]
     rec.log(f"curve, prefix cache {name}:", [(p["concurrency"], round(p["total_tokens_per_s_per_gpu"], 1),
                                               p["output_tokens_per_s_per_user_p90"]) for p in report["sweep"]["points"]])
     rec.row(f"Agentic replay, prefix cache {name}: total tokens/s per GPU at {args.target:g} tok/s/user P90",
             f"{args.sessions} sessions x {args.turns} turns", at if at is not None else float("nan"), "tokens/s",
-            note=hit_rates(report) + ("" if at is not None else "; no concurrency met the target"))
+            note=hit_rates(report) + ("" if budget is None else f"; device cache budget {args.cache_memory_gb:g} GB")
+            + ("" if at is not None else "; no concurrency met the target"))
 
 
 def hit_rates(report) -> str:

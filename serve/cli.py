@@ -340,9 +340,9 @@ def _batch_path_error(args) -> str | None:
 
 def _batch(args) -> int:
     kind = check_model_flags(args)
-    check_cache_flags(args)
     if args.page_size % args.dcp:
         raise UsageError(f"--page-size {args.page_size} must be a multiple of the DCP size {args.dcp} (--dcp)")
+    check_cache_flags(args)
     start_processes(args)
     import sharding
 
