@@ -700,10 +700,11 @@ def router_section(run, tokens, cpu):
     kx, kg = jax.random.split(jax.random.key(0))
     gate = 0.02 * jax.random.normal(kg, (D, E), jnp.float32)
     fp32, pieces = jax.jit(router_fp32), jax.jit(router_pieces)
+    route_cfg = cfg.replace(num_experts=E)
+    ids = lambda logits: route(logits, jnp.zeros(E), route_cfg)[0]  # noqa: E731
     for n in tokens:
         x = jax.random.normal(jax.random.fold_in(kx, n), (n, D), jnp.float32).astype(jnp.bfloat16)
         want, got = fp32(x, gate), pieces(x, gate)
-        ids = lambda logits: route(logits, jnp.zeros(E), cfg.replace(num_experts=E))[0]  # noqa: E731
         same = float(jnp.mean(jnp.all(jnp.sort(ids(want)) == jnp.sort(ids(got)), -1)))
         rel_err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
         ours, _ = gpu_time(pieces, x, gate, cpu=cpu)

@@ -244,8 +244,7 @@ def follow(engine: Engine, leader) -> None:
         for op in message["ops"]:
             if op[0] == "submit":
                 _, rid, prompt, params = op
-                fields = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
-                requests[rid] = engine.submit(prompt, params_from_json(fields), request_id=rid)
+                requests[rid] = engine.submit(prompt, params_from_json(params), request_id=rid)
             else:
                 engine.abort(requests.pop(op[1]))
         if message["stop"]:

@@ -274,8 +274,7 @@ class Engine:
             out = self.prefix.stats()
         else:
             out = {"prompt_tokens": self.admitted_prompt_tokens, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0,
-                   "kda_checkpoints": 0,
-                   "host_restored_bytes": 0, "evictions": 0}
+                   "kda_checkpoints": 0, "host_restored_bytes": 0, "evictions": 0}
         if self.spec is not None:
             out.update(self.spec.stats())
         else:
@@ -312,7 +311,7 @@ class Engine:
                 assert not req.pages, "a waiting request holds no pages"
                 req.slot, req.fed = s, 0
                 self.slots[s] = req
-                if self.prefix is None and req.prefix_hit_tokens is None:  # admitted for the first time
+                if self.prefix is None and req.prefix_hit_tokens is None:  # first admission (not after preemption)
                     req.prefix_hit_tokens = 0
                     self.admitted_prompt_tokens += len(req.prompt)
                 self._reset[s] = not (hit is not None and self.prefix.restore(req, hit, s))

@@ -73,7 +73,7 @@ class PrefixCache:
         self.pinned_refs: dict[int, int] = {}  # page -> pinned nodes listing it
         self.ckpt_bytes = engine.slot_bytes
         self.device_budget = device_bytes
-        self.device_ckpts = 0
+        self.device_ckpts = self.host_ckpts = 0  # counted as they come and go: stats() reads them per step
         self.host = HostTier(host_bytes) if host_bytes else None
         self.width = block // self.ps  # pages of one block
         self.counts = dict(prompt_tokens=0, prefix_hit_tokens=0, requests=0, requests_hit=0,
@@ -392,6 +392,7 @@ class PrefixCache:
         self.device_ckpts -= 1
         if self.host is not None and self._host_room(self.ckpt_bytes) and id(node) in self.index.lru:
             node.host_ckpt = self.host.save(ckpt, self.ckpt_bytes)
+            self.host_ckpts += 1
 
     # ---- checkpoints ----
     def _add_ckpt(self, node: Node, ckpt):
@@ -399,8 +400,8 @@ class PrefixCache:
         self.device_ckpts += 1
         self.counts["kda_checkpoints_taken"] += 1
         self.index.touch(node)
-        if not self.ckpt_bytes:
-            return
+        if not self.ckpt_bytes or self.device_ckpts * self.ckpt_bytes <= self.device_budget:
+            return  # within the budget: no walk over the index
         for victim in self.index.nodes():
             if self.device_ckpts * self.ckpt_bytes <= self.device_budget:
                 break
@@ -414,6 +415,8 @@ class PrefixCache:
         """Drop the host tier's least recently used contents until nbytes fit."""
         if nbytes > self.host.budget:
             return False
+        if self.host.fits(nbytes):
+            return True
         for node in self.index.nodes():
             if self.host.fits(nbytes):
                 break
@@ -424,6 +427,7 @@ class PrefixCache:
             elif node.host_ckpt is not None:
                 self.host.drop(node.host_ckpt)
                 node.host_ckpt = None
+                self.host_ckpts -= 1
         return self.host.fits(nbytes)
 
     def _drop_subtree(self, node: Node):
@@ -434,6 +438,7 @@ class PrefixCache:
                 self.host.drop(n.host_pages)
             if n.host_ckpt is not None:
                 self.host.drop(n.host_ckpt)
+                self.host_ckpts -= 1
             if n.ckpt is not None:
                 self.device_ckpts -= 1
             n.ckpt = n.host_ckpt = n.host_pages = None
@@ -442,15 +447,14 @@ class PrefixCache:
     # ---- reporting and invariants ----
     def stats(self) -> dict:
         c = self.counts
-        nodes = self.index.nodes()
         return {"prompt_tokens": c["prompt_tokens"], "prefix_hit_tokens": c["prefix_hit_tokens"],
                 "prefix_hit_rate": c["prefix_hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
                 "requests_hit": c["requests_hit"],
-                "kda_checkpoints": sum(n.has_ckpt for n in nodes),
+                "kda_checkpoints": self.device_ckpts + self.host_ckpts,  # a node holds one or the other
                 "kda_checkpoints_device": self.device_ckpts,
                 "kda_checkpoints_taken": c["kda_checkpoints_taken"],
                 "cached_pages_device": len(self.refs),
-                "cached_blocks": len(nodes),
+                "cached_blocks": len(self.index.lru),
                 "host_bytes": self.host.used if self.host else 0,
                 "host_saved_bytes": self.host.saved_bytes if self.host else 0,
                 "host_restored_bytes": self.host.restored_bytes if self.host else 0,
@@ -487,6 +491,10 @@ class PrefixCache:
             raise AssertionError("node pins differ from the running requests that hold them")
         if self.device_ckpts != sum(n.ckpt is not None for n in nodes):
             raise AssertionError("device checkpoint count is off")
+        if self.host_ckpts != sum(n.host_ckpt is not None for n in nodes):
+            raise AssertionError("host checkpoint count is off")
+        if any(n.ckpt is not None and n.host_ckpt is not None for n in nodes):
+            raise AssertionError("a node holds its checkpoint on both tiers")
         if self.ckpt_bytes and self.device_ckpts * self.ckpt_bytes > self.device_budget:
             raise AssertionError("device checkpoints exceed their budget")
         if self.host is not None:
