@@ -9,7 +9,7 @@ import tempfile
 
 # name -> module; each has add_args(parser), run(record, args) and a docstring (the help)
 BENCHMARKS = {"kda": "kda", "mla": "mla", "mla-prefill": "mla_prefill", "moe": "moe",
-              "attnres": "attnres",
+              "attnres": "attnres", "dense": "dense",
               "engine": "engine", "sharded": "sharded",
               "prefix-cache": "prefix_cache", "speculative": "speculative", "server": "server"}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

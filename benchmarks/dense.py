@@ -1,0 +1,105 @@
+"""Dense projections at decode widths: GPU time of the skinny-matmul kernel (one launch per group
+of weights sharing an input) against XLA's dots (one per weight, the model's reference path), at a
+K3 TP8 rank's shapes, after a check of every case.
+
+    python -m benchmarks dense [--rows 1,16,64,256] [--groups kda_in,moe_in,...] [--sweep]
+    python -m benchmarks dense --smoke      # CPU: interpret mode, tiny shapes, no timings
+
+A group is the weights one input meets in a layer (KDA: q, k, v, g, f_a, b from the normalised
+hidden; the MoE: the shared experts' gate and up and the latent down-projection; ...). Time: the
+GPU kernels of one call (profiler), the partial sums' reduction included. Bytes: the weights,
+read once; % of the JAX copy bandwidth (read + write) of this run. --sweep also times column
+tiles of 32 and 128 and other K splits (details only), to choose the defaults from."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.dense import SkinnyConfig, skinny_matmul
+from kernels_pallas.dense.tuning import skinny_config
+from .common import gpu_ms, ints_arg, jax_copy_Bps, names_arg
+
+BF16 = jnp.bfloat16
+# name -> (K, output widths): one TP8 rank of K3 (12 KDA heads of 128, 12 MLA heads, latent MoE
+# of width 3584, two shared experts of 3072 / 8, vocabulary 163840 / 8)
+GROUPS = {
+    "kda_in": (7168, (1536, 1536, 1536, 1536, 128, 12)),
+    "kda_out": (1536, (7168,)),
+    "mla_in": (7168, (1536, 576, 1536)),
+    "mla_q_b": (1536, (2304,)),
+    "moe_in": (7168, (768, 768, 3584)),
+    "moe_latent_up": (3584, (7168,)),
+    "shared_down": (768, (7168,)),
+    "lm_head": (7168, (20480,)),
+}
+SMOKE_GROUPS = {"in": (256, (64, 64, 12)), "out": (128, (256,))}
+
+
+def add_args(p):
+    p.add_argument("--rows", type=ints_arg, default=[1, 16, 64, 256], help="rows a call (decode batch)")
+    p.add_argument("--groups", type=names_arg, default=list(GROUPS), help=", ".join(GROUPS))
+    p.add_argument("--sweep", action="store_true", help="also time other tiles and K splits")
+
+
+def inputs(m, k, ns, seed=0):
+    ks = jax.random.split(jax.random.key(seed), len(ns) + 1)
+    x = jax.random.normal(ks[0], (m, k)).astype(BF16)
+    return x, tuple((0.02 * jax.random.normal(kk, (k, n))).astype(BF16) for kk, n in zip(ks[1:], ns))
+
+
+def check(ys, refs):
+    """Each output against XLA's within one bf16 step (both accumulate in fp32, in other orders),
+    relative to the element or, where it cancels, to the output's RMS."""
+    worst = 0.0
+    for y, r in zip(ys, refs):
+        y, r = np.asarray(y, np.float32), np.asarray(r, np.float32)
+        rms = float(np.sqrt(np.mean(r * r))) or 1.0
+        excess = np.abs(y - r) - 2.0 ** -7 * np.abs(r) - 2.0 ** -8 * rms
+        worst = max(worst, float(excess.max()))
+    if worst > 0:
+        raise AssertionError(f"off XLA's product by {worst:.3g} past one bf16 step")
+    return {"mismatch_frac": float(np.mean([np.mean(np.asarray(y) != np.asarray(r))
+                                            for y, r in zip(ys, refs)]))}
+
+
+def fn(backend, config=None):
+    return jax.jit(lambda x, ws: skinny_matmul(x, ws, backend=backend, config=config))
+
+
+def case(rec, args, name, k, ns, m, ours, peer, copy_Bps):
+    x, ws = inputs(m, k, ns)
+    info = {"check": check(ours(x, ws), peer(x, ws)),
+            "config": skinny_config(m, k, ns).__dict__}
+    t_ours, info["ours"] = gpu_ms(ours, x, ws, smoke=args.smoke)
+    t_peer, info["xla"] = gpu_ms(peer, x, ws, smoke=args.smoke)
+    nbytes = sum(w.nbytes for w in ws)
+    pct = lambda t: None if args.smoke else 100 * nbytes / (t * 1e-3) / copy_Bps  # noqa: E731
+    if args.sweep and not args.smoke:
+        base = skinny_config(m, k, ns)
+        steps = k // base.block_k
+        variants = {f"bn{bn}_split{s}": SkinnyConfig(block_n=bn, split=s)
+                    for bn in (32, 64, 128) for s in sorted({1, 2, 4, base.split, 2 * base.split})
+                    if steps % s == 0}
+        info["sweep_pct_of_copy"] = {}
+        for label, cfg in variants.items():
+            t, _ = gpu_ms(fn("pallas", cfg), x, ws)
+            info["sweep_pct_of_copy"][label] = round(pct(t), 1)
+    rec.details[f"{name}_M{m}"] = info
+    shape = f"{name} M{m} K{k} N{'+'.join(map(str, ns))}"
+    rec.row("Dense projections, skinny matmul", shape, t_ours * 1e3, "us", peer=t_peer * 1e3,
+            peer_name="XLA dots", limit_pct=pct(t_ours), note="of JAX copy")
+    rec.log(f"{shape}: ours {t_ours * 1e3:.1f} us ({pct(t_ours) or 0:.0f}%), XLA "
+            f"{t_peer * 1e3:.1f} us ({pct(t_peer) or 0:.0f}%) {info['check']}"
+            + (f" sweep {info['sweep_pct_of_copy']}" if "sweep_pct_of_copy" in info else ""))
+
+
+def run(rec, args):
+    groups = SMOKE_GROUPS if args.smoke else {g: GROUPS[g] for g in args.groups}
+    rows = [1, 5, 37] if args.smoke else args.rows
+    ours, peer = fn("interpret" if args.smoke else "pallas"), fn("reference")
+    copy_Bps = jax_copy_Bps(args.smoke)
+    rec.details["copy_GBps"] = copy_Bps / 1e9
+    for name, (k, ns) in groups.items():
+        for m in rows:
+            rec.guard(f"{name}_M{m}", case, rec, args, name, k, ns, m, ours, peer, copy_Bps)
