@@ -18,7 +18,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 OUTPUT = os.path.join(os.path.dirname(HERE), "BENCHMARKS.md")
-ORDER = ["kda", "mla", "mla-prefill", "moe", "engine", "sharded"]  # others follow by name
+ORDER = ["kda", "mla", "mla-prefill", "moe", "attnres", "dense", "engine", "sharded"]  # others follow by name
 TIME_UNITS = ("ns", "us", "ms", "s")
 
 PREAMBLE = """# Benchmarks

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sharding.kda import kda_cache_specs
 from .config import Config
 from .layers.attnres import mixed_norm
-from .layers.common import F32, INIT_STD, dense
+from .layers.common import F32, INIT_STD, kernel, project
 from .layers.kda import KDA, kda_cache_shapes
 from .layers.mla import MLA, mla_cache_shapes
 from .layers.moe import MLP, MoE
@@ -112,7 +112,7 @@ class DecoderLayer(nn.Module):
         if cfg.is_moe_layer(i):
             m = MoE(cfg, name="block_sparse_moe")(y, backend)
         else:
-            m = MLP(cfg, cfg.intermediate_size, name="mlp")(y)
+            m = MLP(cfg, cfg.intermediate_size, name="mlp")(y, backend)
         return bank, p, m, cache
 
 
@@ -151,5 +151,7 @@ class KimiLM(nn.Module):
         if cfg.tie_word_embeddings:
             logits = embed.attend(z)
         else:
-            logits = dense(cfg.vocab_size, "lm_head", cfg, ("embed", "vocab"))(z)
+            # XLA's GEMM reads the wide head at copy speed: no skinny matmul here
+            lm_head = kernel((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg, "lm_head")
+            logits = project(z, [lm_head], cfg.jnp_dtype, "reference")[0]
         return logits.astype(F32), (None if cache_layers is None else tuple(new_layers))

@@ -41,7 +41,7 @@ def test_report_ratios_commands_and_per_row_runs(tmp_path):
     assert out.read_text() == text
 
 
-@pytest.mark.parametrize("name", ["kda", "mla", "mla-prefill", "moe", "attnres", "engine"])
+@pytest.mark.parametrize("name", ["kda", "mla", "mla-prefill", "moe", "attnres", "dense", "engine"])
 def test_smoke_run(name, tmp_path):
     assert main([name, "--smoke", "--out", str(tmp_path)]) == 0
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
-
 from .._backend import resolve_backend
 from .kernel import skinny_matmul_pallas
 from .reference import skinny_matmul_reference
 from .tuning import SkinnyConfig, skinny_config
 
-MAX_ROWS = 256  # more rows than this are matmul-bound: XLA's GEMM takes them
+# Past this many rows XLA's GEMM was as fast or faster at some of a K3 rank's groups (at 256 rows
+# it won where N is 7168 and more; the kernel won the K-7168 groups)
+MAX_ROWS = 64
 
 
 def skinny_matmul(x, weights, *, backend: str | None = None, config: SkinnyConfig | None = None):
@@ -28,11 +28,9 @@ def skinny_matmul(x, weights, *, backend: str | None = None, config: SkinnyConfi
             raise ValueError(f"a weight of shape {w.shape} does not take inputs of width {k}")
     if backend == "reference" or not 0 < m <= MAX_ROWS or k % 16:
         return skinny_matmul_reference(x, weights)
-    cfg = skinny_config(m, k, tuple(w.shape[1] for w in weights), config)
+    cfg = skinny_config(m, k, config)
     ys = skinny_matmul_pallas(x.reshape(m, k), tuple(w.astype(x.dtype) for w in weights),
                               block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
-                              split=cfg.split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                               interpret=backend == "interpret")
-    if cfg.split > 1:
-        ys = tuple(y.sum(0, dtype=jnp.float32).astype(x.dtype) for y in ys)
     return tuple(y.reshape(lead + (y.shape[-1],)) for y in ys)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from kernels_pallas.attnres.reference import rms_normalize
+from kernels_pallas.dense import skinny_matmul
 from kernels_pallas.moe.reference import glu as moe_glu
 from sharding.rules import logical_axes
 
@@ -30,15 +31,26 @@ F32 = jnp.float32
 INIT_STD = 0.02
 
 
-def dense(features: int, name: str, cfg, axes: tuple) -> nn.Dense:
-    """Bias-free projection; kernel stored [in, out] (HF stores [out, in]), logical `axes`."""
-    return nn.Dense(features, use_bias=False, name=name, dtype=cfg.jnp_dtype,
-                    param_dtype=cfg.jnp_param_dtype,
-                    kernel_init=nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), axes))
+def project(x, kernels, dt, backend=None) -> tuple:
+    """x @ each of `kernels` ([in, out]) in the compute dtype dt, what flax's Dense does: at decode
+    widths one skinny-matmul launch for the whole group (the weights one input meets) on the
+    Pallas backend, XLA's dots otherwise. A mesh that XLA partitions keeps XLA's dots: it would
+    gather a custom call's sharded weights to every device; inside shard_map (every axis manual)
+    the weights are the rank's own."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not (mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual):
+        backend = "reference"
+    return skinny_matmul(x.astype(dt), [k.astype(dt) for k in kernels], backend=backend)
+
+
+def kernel(shape: tuple, axes: tuple, cfg, name: str):
+    """Declare a bias-free projection's [in, out] kernel as flax's Dense would (same tree and init)
+    and return it, for `project`."""
+    return Weight(shape, cfg.jnp_param_dtype, axes, name=name)()
 
 
 class Weight(nn.Module):
-    """A bare parameter (default: an [in, out] `kernel` initialised like `dense`'s), for weights
+    """A bare parameter (default: an [in, out] `kernel` initialised like flax's Dense), for weights
     used in more than one way or handed to pure functions (the MoE under shard_map)."""
     shape: tuple
     dtype: jnp.dtype

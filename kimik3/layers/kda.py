@@ -13,7 +13,7 @@ from kernels_pallas import resolve_backend
 from kernels_pallas.kda.decode import kda_decode
 from sharding.kda import AXIS, kda_cache_specs, kda_tensor_axis
 from sharding.rules import param_specs
-from .common import F32, Weight, causal_conv, declared_axes, rms_normalize
+from .common import F32, Weight, causal_conv, declared_axes, project, rms_normalize
 
 # At most this many new tokens per sequence go through the per-token recurrence (decode, verify);
 # longer extends use the chunked form.
@@ -67,16 +67,20 @@ def kda_apply(cfg, p, x, cache, n_new, backend=None, tensor_axis=None, all_posit
     P = p["dt_bias"].shape[0]
     H = P // K
     dt = cfg.jnp_dtype
-    proj = lambda h, n: h.astype(dt) @ p[n]["kernel"].astype(dt)  # noqa: E731  (what Dense does)
-    qkv_raw = jnp.concatenate([proj(x, "q_proj"), proj(x, "k_proj"), proj(x, "v_proj")], axis=-1)
+    gate_in = "g_proj" if cfg.use_full_rank_gate else "g_a_proj"
+    q, k, v, f_a, b_logits, gate = project(  # every projection of x in one launch at decode
+        x, [p[n]["kernel"] for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", gate_in)],
+        dt, backend)
+    qkv_raw = jnp.concatenate([q, k, v], axis=-1)
     conv_w = jnp.concatenate([p[f"{n}_conv1d"] for n in "qkv"])
-    f = proj(proj(x, "f_a_proj"), "f_b_proj")
+    f = project(f_a, [p["f_b_proj"]["kernel"]], dt, backend)[0]
     A_log, dt_bias, o_norm = p["A_log"], p["dt_bias"], p["o_norm"]
-    b_logits = proj(x, "b_proj").astype(F32)
-    gate = proj(x, "g_proj") if cfg.use_full_rank_gate else proj(proj(x, "g_a_proj"), "g_b_proj")
+    b_logits = b_logits.astype(F32)
+    if not cfg.use_full_rank_gate:
+        gate = project(gate, [p["g_b_proj"]["kernel"]], dt, backend)[0]
 
     def out_proj(o):
-        y = proj(o, "o_proj")
+        y = project(o, [p["o_proj"]["kernel"]], dt, backend)[0]
         return y if tensor_axis is None else jax.lax.psum(y, tensor_axis)
 
     if T == 1 and not all_positions and resolve_backend(backend) != "reference":

@@ -16,7 +16,7 @@ from kernels_pallas.mla.reference import CACHE_DIM, dequant_cache, quantize_word
 from kernels_pallas.mla.softmax import online_softmax_step
 from kernels_pallas.mla.prefill import QK_DIM, V_DIM
 
-from .common import F32, RMSNorm, Weight, dense
+from .common import F32, RMSNorm, Weight, kernel, project
 from .kda import RECURRENT_MAX_T
 
 LONG_PREFILL = 1024  # causal passes longer than this use the chunked / flash prefill attention
@@ -371,16 +371,21 @@ class MLA(nn.Module):
         dt = cfg.jnp_dtype
         cscale = cache_scale(cfg)
 
+        D = cfg.hidden_size
+        # every projection of x (queries, the latent + rope entry, the output gate) in one launch
+        ins = [kernel((D, cfg.q_lora_rank), ("embed", "q_lora"), cfg, "q_a_proj") if cfg.q_lora_rank
+               else kernel((D, H * (dn + dr)), ("embed", "q_heads"), cfg, "q_proj"),
+               kernel((D, R + dr), ("embed", "kv_lora_rope"), cfg, "kv_a_proj_with_mqa")]
+        if cfg.mla_use_output_gate:
+            ins.append(kernel((D, H * dv), ("embed", "v_heads"), cfg, "g_proj"))
+        q, ckv, *gate = project(x, ins, dt, backend)
         if cfg.q_lora_rank:
-            qa = dense(cfg.q_lora_rank, "q_a_proj", cfg, ("embed", "q_lora"))(x)
-            qa = RMSNorm(cfg.q_lora_rank, cfg.mla_norm_eps, cfg.jnp_param_dtype, "q_lora", name="q_a_layernorm")(qa)
-            q = dense(H * (dn + dr), "q_b_proj", cfg, ("q_lora", "q_heads"))(qa)
-        else:
-            q = dense(H * (dn + dr), "q_proj", cfg, ("embed", "q_heads"))(x)
+            qa = RMSNorm(cfg.q_lora_rank, cfg.mla_norm_eps, cfg.jnp_param_dtype, "q_lora", name="q_a_layernorm")(q)
+            q_b = kernel((cfg.q_lora_rank, H * (dn + dr)), ("q_lora", "q_heads"), cfg, "q_b_proj")
+            q = project(qa, [q_b], dt, backend)[0]
         q = q.reshape(B, T, H, dn + dr)
         q_nope, q_rope = q[..., :dn], q[..., dn:]
 
-        ckv = dense(R + dr, "kv_a_proj_with_mqa", cfg, ("embed", "kv_lora_rope"))(x)
         latent = RMSNorm(R, cfg.mla_norm_eps, cfg.jnp_param_dtype, "kv_lora", name="kv_a_layernorm")(ckv[..., :R])
         entries = jnp.concatenate([latent, ckv[..., R:]], axis=-1).astype(dt)  # [B, T, R + dr]
         kv_b = Weight((R, H * (dn + dv)), cfg.jnp_param_dtype, ("kv_lora", "kv_heads"), name="kv_b_proj")().astype(dt)
@@ -406,6 +411,7 @@ class MLA(nn.Module):
                                       cscale, dt)
 
         o = o.reshape(B, T, H * dv).astype(dt)
-        if cfg.mla_use_output_gate:
-            o = (o.astype(F32) * jax.nn.sigmoid(dense(H * dv, "g_proj", cfg, ("embed", "v_heads"))(x).astype(F32))).astype(dt)
-        return dense(cfg.hidden_size, "o_proj", cfg, ("v_heads", "embed"))(o), new_cache
+        if gate:
+            o = (o.astype(F32) * jax.nn.sigmoid(gate[0].astype(F32))).astype(dt)
+        o_proj = kernel((H * dv, D), ("v_heads", "embed"), cfg, "o_proj")
+        return project(o, [o_proj], dt, backend)[0], new_cache

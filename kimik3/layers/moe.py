@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from kernels_pallas.moe import (MXFP4PairedWeight, MXFP4Weight, gather_rows, moe_gmm,
                                 moe_gmm_glu, mxfp4)
 from sharding.rules import MoEAxes, moe_axes, param_specs
-from .common import F32, INIT_STD, Weight, declared_axes, glu, rms_normalize
+from .common import F32, INIT_STD, Weight, declared_axes, glu, project, rms_normalize
 
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = jnp.bfloat16
@@ -83,16 +83,21 @@ def router_logits(x, gate):
     return router_fp32(x, gate)
 
 
-def _proj(x, p, dt):
+def _proj(x, p, dt, backend=None):
     """x @ kernel in the compute dtype (what flax's Dense does)."""
-    return x.astype(dt) @ p["kernel"].astype(dt)
+    return project(x, [p["kernel"]], dt, backend)[0]
 
 
-def mlp_apply(cfg, p, x):
-    """Gated MLP (gate_proj, up_proj, down_proj); partial over ranks if the intermediate is split."""
+def mlp_down(cfg, p, a, b, backend=None):
+    """A gated MLP's output from its gate and up projections a, b."""
     dt = cfg.jnp_dtype
-    a, b = _proj(x, p["gate_proj"], dt), _proj(x, p["up_proj"], dt)
-    return _proj(glu(cfg, a.astype(F32), b.astype(F32)).astype(dt), p["down_proj"], dt)
+    return _proj(glu(cfg, a.astype(F32), b.astype(F32)).astype(dt), p["down_proj"], dt, backend)
+
+
+def mlp_apply(cfg, p, x, backend=None):
+    """Gated MLP (gate_proj, up_proj, down_proj); partial over ranks if the intermediate is split."""
+    a, b = project(x, [p["gate_proj"]["kernel"], p["up_proj"]["kernel"]], cfg.jnp_dtype, backend)
+    return mlp_down(cfg, p, a, b, backend)
 
 
 def mlp_weights(cfg, intermediate: int) -> dict:
@@ -108,8 +113,8 @@ class MLP(nn.Module):
     intermediate: int
 
     @nn.compact
-    def __call__(self, x):
-        return mlp_apply(self.cfg, mlp_weights(self.cfg, self.intermediate), x)
+    def __call__(self, x, backend=None):
+        return mlp_apply(self.cfg, mlp_weights(self.cfg, self.intermediate), x, backend)
 
 
 class MLPWeights(nn.Module):
@@ -229,21 +234,26 @@ def moe_apply(cfg, p, xf, backend=None, axes: MoEAxes = MoEAxes(), fuse_glu=Fals
     logits = router_logits(xf, p["gate"])
     idx, w = route(logits, p["e_score_correction_bias"], cfg)
     L = cfg.routed_expert_hidden_size
-    u = _proj(xf, p["routed_expert_down_proj"], dt) if L else xf
+    shared = p["shared_experts"] if cfg.num_shared_experts else None
+    # the latent down-projection and the shared experts' gate and up: one launch at decode
+    ins = ([p["routed_expert_down_proj"]["kernel"]] if L else []) + (
+        [shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"]] if shared else [])
+    outs = list(project(xf, ins, dt, backend))
+    u = outs.pop(0) if L else xf
     first = 0
     if axes.expert:
         first = jax.lax.axis_index(axes.expert) * jax.tree.leaves(p["experts"])[0].shape[0]
     routed = experts_combine(cfg, p["experts"], u, idx, w, backend, first, fuse_glu)
     routed_axes = tuple(a for a in (axes.expert, axes.expert_inner) if a)
     terms = []
-    if cfg.num_shared_experts:
-        terms.append((mlp_apply(cfg, p["shared_experts"], xf), (axes.shared,) if axes.shared else ()))
+    if shared:
+        terms.append((mlp_down(cfg, shared, *outs, backend), (axes.shared,) if axes.shared else ()))
     if not L:
         return sum_partials(terms + [(routed.astype(dt), routed_axes)])
     latent = (jax.lax.psum(routed, routed_axes) if routed_axes else routed).astype(dt)
     if cfg.latent_moe_use_norm:
         latent = p["routed_expert_norm"]["weight"].astype(dt) * rms_normalize(latent, cfg.rms_norm_eps)
-    up = _proj(latent, p["routed_expert_up_proj"], dt)  # [N, D], or this rank's D / TP columns
+    up = _proj(latent, p["routed_expert_up_proj"], dt, backend)  # [N, D], or this rank's D / TP columns
     if axes.up:  # dedup: the owned columns go into this rank's slice of the partial sum
         cols = up.shape[-1]
         up = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((xf.shape[0], cfg.hidden_size), dt), up,
