@@ -707,10 +707,16 @@ def router_section(run, tokens, cpu):
         want, got = fp32(x, gate), pieces(x, gate)
         same = float(jnp.mean(jnp.all(jnp.sort(ids(want)) == jnp.sort(ids(got)), -1)))
         rel_err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+        # which of the two is off: both against the float64 product of up to 256 rows
+        exact = np.asarray(x[:256], np.float64) @ np.asarray(gate, np.float64)
+        off = lambda y: float(np.abs(np.asarray(y[:256], np.float64) - exact).max()  # noqa: E731
+                              / np.abs(exact).max())
         ours, _ = gpu_time(pieces, x, gate, cpu=cpu)
         peer, _ = gpu_time(fp32, x, gate, cpu=cpu)
         run.details.setdefault("router", []).append(dict(rows=n, pieces_ms=ours, fp32_ms=peer, same_experts=same,
-                                                         max_rel_err=rel_err))
+                                                         max_rel_err=rel_err, pieces_err_f64=off(got),
+                                                         fp32_err_f64=off(want)))
+        run.log(f"router {n} rows: error vs float64, pieces {off(got):.2e}, fp32 {off(want):.2e}")
         chosen = "pieces" if n >= ROUTER_SPLIT_ROWS else "fp32"
         run.row("MoE router matmul: bf16 pieces (peer: fp32)", f"{n} rows x {D} x {E}", ours * 1e3, "us",
                 peer=peer * 1e3, peer_name="fp32 matmul",
