@@ -152,6 +152,8 @@ def agent_trace(args, smoke):
 
 def sessions(rec, model, trace, args):
     report = run_replay(trace, engine_factory=lambda: engine(model), concurrencies=())
+    if report["errors"]:
+        raise RuntimeError(f"{report['errors']} replayed requests failed, the first: {report['first_error']}")
     keep = ("prefix_hit_rate", "trace_prefix_reuse", "total_tokens_per_s", "ttft_p50_s", "requests")
     rec.details["sessions"] = {k: report.get(k) for k in keep}
     rec.log("sessions:", rec.details["sessions"])
