@@ -53,11 +53,19 @@ ROUTER_SPLIT_ROWS = 256
 
 
 def split_bf16(w):
-    """Three bf16 arrays whose fp32 sum is w exactly (each takes the next 8 significant bits)."""
-    hi = w.astype(BF16)
-    rest = w - hi.astype(F32)  # exact: w and its rounding share their leading bits
-    mid = rest.astype(BF16)
-    return hi, mid, (rest - mid.astype(F32)).astype(BF16)
+    """Three bf16 arrays whose fp32 sum is w exactly: each takes the next leading bits of what the
+    ones before left (the last at most 8). By bit masks, not rounding conversions: XLA:GPU treats
+    an fp32 -> bf16 -> fp32 round trip as excess precision and removes it, which made the first
+    piece w itself and the others zero."""
+    def lead(v):  # v truncated to bf16's 8 significant bits, as (bf16, the same value in fp32)
+        bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+        top = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), BF16)
+        return top, jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), F32)
+
+    hi, hi32 = lead(w)
+    mid, mid32 = lead(w - hi32)  # exact: the subtraction removes leading bits
+    lo, _ = lead(w - hi32 - mid32)  # at most 8 significant bits remain
+    return hi, mid, lo
 
 
 def router_fp32(x, gate):
