@@ -692,14 +692,14 @@ def layer_section(run, ctx, token_list, formats, glu_modes=("unfused",)):
 
 
 def router_section(run, tokens, cpu):
-    from kimik3.layers.moe import ROUTER_SPLIT_ROWS, route, router_fp32, router_pieces
+    from kimik3.layers.moe import ROUTER_SPLIT_ROWS, route, router_fp32, router_logits, router_pieces
     import kimik3
 
     cfg = kimik3.Config.preset("kimi-k3")
     D, E = (256, 64) if cpu else (cfg.hidden_size, cfg.num_experts)
     kx, kg = jax.random.split(jax.random.key(0))
     gate = 0.02 * jax.random.normal(kg, (D, E), jnp.float32)
-    fp32, pieces = jax.jit(router_fp32), jax.jit(router_pieces)
+    fp32, pieces, bf16_gate = jax.jit(router_fp32), jax.jit(router_pieces), jax.jit(router_logits)
     route_cfg = cfg.replace(num_experts=E)
     ids = lambda logits: route(logits, jnp.zeros(E), route_cfg)[0]  # noqa: E731
     for n in tokens:
@@ -723,6 +723,21 @@ def router_section(run, tokens, cpu):
         run.row("MoE router matmul: bf16 pieces (peer: fp32)", f"{n} rows x {D} x {E}", ours * 1e3, "us",
                 peer=peer * 1e3, peer_name="fp32 matmul",
                 note=f"the model uses {chosen} here; same experts for {100 * same:.1f}% of rows")
+        # K3 stores the gate in bf16: one bf16 matmul accumulating in fp32 (the model's path)
+        g16 = gate.astype(jnp.bfloat16)
+        exact = np.asarray(x[:256], np.float64) @ np.asarray(g16.astype(jnp.float32), np.float64)
+        got16, want16 = bf16_gate(x, g16), fp32(x, g16)
+        err16 = float(np.abs(np.asarray(got16[:256], np.float64) - exact).max() / np.abs(exact).max())
+        if err16 > 1e-5:
+            raise AssertionError(f"the bf16-gate router is off the float64 product by {err16:.2e}")
+        same16 = float(jnp.mean(jnp.all(jnp.sort(ids(want16)) == jnp.sort(ids(got16)), -1)))
+        ours16, _ = gpu_time(bf16_gate, x, g16, cpu=cpu)
+        peer16, _ = gpu_time(fp32, x, g16, cpu=cpu)
+        run.details["router"][-1].update(bf16_gate_ms=ours16, bf16_gate_fp32_ms=peer16,
+                                         bf16_gate_err_f64=err16, bf16_gate_same_experts=same16)
+        run.row("MoE router matmul, bf16 gate: one bf16 matmul, fp32 sums (peer: fp32)",
+                f"{n} rows x {D} x {E}", ours16 * 1e3, "us", peer=peer16 * 1e3, peer_name="fp32 matmul",
+                note=f"same experts for {100 * same16:.1f}% of rows")
 
 
 def run(rec, args):

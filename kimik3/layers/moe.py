@@ -83,9 +83,13 @@ def router_pieces(x, gate):
 
 
 def router_logits(x, gate):
-    """fp32 router logits x [N, D] @ gate [D, E]: on the bf16 pieces for bf16 activations of at
-    least ROUTER_SPLIT_ROWS rows, else in fp32 (tests/model: the same expert ids on a large
-    sample)."""
+    """fp32 router logits x [N, D] @ gate [D, E] (tests/model: the same expert ids as the fp32
+    matmul on a large sample). bf16 activations and a bf16 gate (K3's storage): one bf16 matmul
+    accumulating in fp32, whose products are exact, so it is the fp32 matmul's arithmetic on
+    tensor cores, reading half the bytes. A wider gate (Kimi Linear's fp32): its bf16 pieces
+    from ROUTER_SPLIT_ROWS bf16 rows, else the fp32 matmul."""
+    if x.dtype == BF16 and gate.dtype == BF16:
+        return jnp.dot(x, gate, preferred_element_type=F32)
     if x.dtype == BF16 and x.shape[0] >= ROUTER_SPLIT_ROWS:
         return router_pieces(x, gate)
     return router_fp32(x, gate)

@@ -72,9 +72,10 @@ def test_correction_bias_selects_but_does_not_weight():
     assert same.any() and jnp.max(jnp.abs(jnp.where(same[:, None], w1 - w0, 0))) < 1e-6
 
 
-def test_router_on_bf16_pieces_picks_the_fp32_routers_experts():
-    """K3's router shape: from ROUTER_SPLIT_ROWS bf16 rows the logits come from the gate's three
-    bf16 pieces; they match the fp32 matmul to its own rounding and choose the same experts."""
+def test_router_on_tensor_cores_picks_the_fp32_routers_experts():
+    """K3's router shape: with an fp32 gate, from ROUTER_SPLIT_ROWS bf16 rows the logits come from
+    the gate's three bf16 pieces; with a bf16 gate from one bf16 matmul; both match the fp32
+    matmul to its own rounding and choose the same experts."""
     from kimik3.layers.moe import ROUTER_SPLIT_ROWS, router_fp32, router_logits, split_bf16
 
     cfg = kimik3.Config.preset("kimi-k3")
@@ -89,6 +90,14 @@ def test_router_on_bf16_pieces_picks_the_fp32_routers_experts():
     assert bool(jnp.array_equal(jax.jit(router_logits)(few, gate), jax.jit(router_fp32)(few, gate)))
     bias = jnp.zeros(cfg.num_experts)
     assert bool(jnp.array_equal(route(got, bias, cfg)[0], route(want, bias, cfg)[0]))
+    # a bf16 gate (K3's storage): one bf16 matmul with fp32 accumulation at every row count
+    gate16 = gate.astype(jnp.bfloat16)
+    want16 = jnp.dot(x.astype(jnp.float32), gate16.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    for rows in (x[:3], x):
+        got16 = jax.jit(router_logits)(rows, gate16)
+        assert got16.dtype == jnp.float32
+        assert jnp.max(jnp.abs(got16 - want16[:len(rows)])) < 1e-5 * jnp.max(jnp.abs(want16))
+    assert bool(jnp.array_equal(route(got16, bias, cfg)[0], route(want16, bias, cfg)[0]))
 
 
 def _plain_residual_logits(model, toks):
