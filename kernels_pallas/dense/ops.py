@@ -9,15 +9,19 @@ from .kernel import skinny_matmul_pallas
 from .reference import skinny_matmul_reference
 from .tuning import SkinnyConfig, skinny_config
 
-# Past this many rows XLA's GEMM was as fast or faster at some of a K3 rank's groups (at 256 rows
-# it won where N is 7168 and more; the kernel won the K-7168 groups)
-MAX_ROWS = 64
+# Up to SHORT_ROWS rows the kernel was as fast as XLA's GEMMs or faster at every group of a K3
+# rank; up to MAX_ROWS it still won where K is at least LONG_K (the projections of the hidden
+# state: 1.5-1.8x at 256 rows) and lost where K is short (the output projections).
+SHORT_ROWS = 64
+MAX_ROWS = 256
+LONG_K = 4096
 
 
 def skinny_matmul(x, weights, *, backend: str | None = None, config: SkinnyConfig | None = None):
     """x [..., K] times each of `weights` ([K, N_i], cast to x's dtype) -> a tuple of [..., N_i]
-    in x's dtype: one launch for the group at decode widths (at most MAX_ROWS rows and K a
-    multiple of 16), XLA's dot otherwise and on the reference backend. The kernel accumulates in
+    in x's dtype: one launch for the group at decode widths (at most SHORT_ROWS rows, or
+    MAX_ROWS where K is at least LONG_K; K a multiple of 16), XLA's dot otherwise and on the
+    reference backend. The kernel accumulates in
     fp32 like XLA's GEMMs, in another order: results agree to the output dtype's rounding."""
     backend = resolve_backend(backend)
     weights = tuple(weights)
@@ -26,7 +30,7 @@ def skinny_matmul(x, weights, *, backend: str | None = None, config: SkinnyConfi
     for w in weights:
         if w.ndim != 2 or w.shape[0] != k:
             raise ValueError(f"a weight of shape {w.shape} does not take inputs of width {k}")
-    if backend == "reference" or not 0 < m <= MAX_ROWS or k % 16:
+    if backend == "reference" or not 0 < m <= (MAX_ROWS if k >= LONG_K else SHORT_ROWS) or k % 16:
         return skinny_matmul_reference(x, weights)
     cfg = skinny_config(m, k, config)
     ys = skinny_matmul_pallas(x.reshape(m, k), tuple(w.astype(x.dtype) for w in weights),

@@ -4,11 +4,15 @@ Decode-width products stream their weights once. Column tiles of 64 (128-byte ro
 weights) over every weight of a group give a K3 rank's groups 36 to 100 programs that each stream
 their whole K; on the H100 that read the weights at 80-130% of the JAX copy rate from 1 to 64
 rows, where 32- and 128-column tiles, and splitting K into parts added by a second pass, were
-slower or no faster (`python -m benchmarks dense --sweep`; table in BENCHMARKS.md).
+slower or no faster (`python -m benchmarks dense --sweep`; table in BENCHMARKS.md). Past 64 rows
+(row blocks of 128) tiles of 128 columns were fastest at 256 rows for two of the three long-K
+groups and second for the third; rows between 64 and 256 were not measured.
 """
 from __future__ import annotations
 
 import dataclasses
+
+MAX_BLOCK_M = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +39,8 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
 def skinny_config(m: int, k: int, config: SkinnyConfig | None = None) -> SkinnyConfig:
     """The configuration for x [m, k] times a group of [k, n] weights."""
     config = config or SkinnyConfig()
-    block_m = config.block_m or max(16, _pow2_ceil(m))
-    block_n = config.block_n or 64
+    block_m = config.block_m or min(MAX_BLOCK_M, max(16, _pow2_ceil(m)))
+    block_n = config.block_n or (64 if m <= 64 else 128)
     block_k = config.block_k or _largest_pow2_divisor(k, 256 if block_m <= 32 else 128)
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if v < 16 or v & (v - 1):

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.dense import MAX_ROWS, SkinnyConfig, skinny_matmul
+from kernels_pallas.dense.ops import LONG_K, SHORT_ROWS
+from kernels_pallas.dense.tuning import skinny_config
 
 # bf16 outputs: both products accumulate in fp32 (in other orders) and round once, so they agree
 # within one bf16 step of the element, or of the output's scale where an element cancels. fp32:
@@ -62,11 +64,25 @@ def test_weights_take_the_input_dtype():
 
 
 def test_shapes_left_to_xla_equal_the_reference():
-    """Past MAX_ROWS, with no rows, or K not a multiple of 16, the product is XLA's, bitwise."""
-    for lead, k in (((MAX_ROWS + 1,), 64), ((0,), 64), ((3,), 40)):
+    """Past SHORT_ROWS with a short K, past MAX_ROWS, with no rows, or K not a multiple of 16,
+    the product is XLA's, bitwise."""
+    for lead, k in (((SHORT_ROWS + 1,), 64), ((MAX_ROWS + 1,), LONG_K), ((0,), 64), ((3,), 40)):
         x, ws = _inputs(1, lead, k, (32,), jnp.float32)
         (y,) = skinny_matmul(x, ws, backend="interpret")
         np.testing.assert_array_equal(y, x @ ws[0])
+
+
+def test_long_k_groups_take_wide_rows_in_wide_tiles():
+    """Past SHORT_ROWS a long-K group still runs on the kernel (rows in blocks of 128, columns in
+    tiles of 128: ragged here in both)."""
+    x, ws = _inputs(3, (SHORT_ROWS + 9,), LONG_K, (130, 20), jnp.bfloat16)
+    ys = skinny_matmul(x, ws, backend="interpret")
+    for y, ref in zip(ys, skinny_matmul(x, ws, backend="reference")):
+        _close(y, ref, jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_k=8192 must divide"):  # the kernel's path: checked
+        skinny_matmul(x, ws, backend="interpret", config=SkinnyConfig(block_k=8192))
+    cfg = skinny_config(256, 7168)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (128, 128, 8)
 
 
 def test_bad_input_is_one_line_errors():
