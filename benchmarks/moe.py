@@ -693,6 +693,7 @@ def layer_section(run, ctx, token_list, formats, glu_modes=("unfused",)):
 
 def router_section(run, tokens, cpu):
     from kimik3.layers.moe import ROUTER_SPLIT_ROWS, route, router_fp32, router_logits, router_pieces
+    from kernels_pallas.moe.topk import top_k_scores
     import kimik3
 
     cfg = kimik3.Config.preset("kimi-k3")
@@ -700,6 +701,7 @@ def router_section(run, tokens, cpu):
     kx, kg = jax.random.split(jax.random.key(0))
     gate = 0.02 * jax.random.normal(kg, (D, E), jnp.float32)
     fp32, pieces, bf16_gate = jax.jit(router_fp32), jax.jit(router_pieces), jax.jit(router_logits)
+    backend = "interpret" if cpu else "pallas"
     route_cfg = cfg.replace(num_experts=E)
     ids = lambda logits: route(logits, jnp.zeros(E), route_cfg)[0]  # noqa: E731
     for n in tokens:
@@ -735,6 +737,19 @@ def router_section(run, tokens, cpu):
         peer16, _ = gpu_time(fp32, x, g16, cpu=cpu)
         run.details["router"][-1].update(bf16_gate_ms=ours16, bf16_gate_fp32_ms=peer16,
                                          bf16_gate_err_f64=err16, bf16_gate_same_experts=same16)
+        # the choice of experts: the top-k kernel against XLA's top_k (a sort), same bits
+        scores = jax.nn.sigmoid(got16)
+        bias = 0.01 * jax.random.normal(jax.random.fold_in(kg, n), (E,), jnp.float32)
+        kern = jax.jit(lambda s, b: top_k_scores(s, b, cfg.num_experts_per_token, backend=backend))
+        xla = jax.jit(lambda s, b: top_k_scores(s, b, cfg.num_experts_per_token, backend="reference"))
+        (i1, w1), (i0, w0) = kern(scores, bias), xla(scores, bias)
+        if not (np.array_equal(i1, i0) and np.array_equal(np.asarray(w1), np.asarray(w0))):
+            raise AssertionError("the top-k kernel chose other experts than top_k")
+        t_kern, _ = gpu_time(kern, scores, bias, cpu=cpu)
+        t_xla, _ = gpu_time(xla, scores, bias, cpu=cpu)
+        run.row("MoE routing choice: top-k kernel (peer: XLA top_k)", f"{n} rows x {E} experts, k "
+                f"{cfg.num_experts_per_token}", t_kern * 1e3, "us", peer=t_xla * 1e3,
+                peer_name="XLA top_k", note="same ids and scores")
         run.row("MoE router matmul, bf16 gate: one bf16 matmul, fp32 sums (peer: fp32)",
                 f"{n} rows x {D} x {E}", ours16 * 1e3, "us", peer=peer16 * 1e3, peer_name="fp32 matmul",
                 note=f"same experts for {100 * same16:.1f}% of rows")

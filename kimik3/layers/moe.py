@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.moe import (MXFP4PairedWeight, MXFP4Weight, gather_rows, moe_gmm,
                                 moe_gmm_glu, mxfp4)
+from kernels_pallas.moe.topk import top_k_scores
 from sharding.rules import MoEAxes, moe_axes, param_specs
 from .common import F32, INIT_STD, Weight, declared_axes, glu, project, rms_normalize
 
@@ -139,26 +140,36 @@ class MLPWeights(nn.Module):
         return mlp_weights(self.cfg, self.intermediate)
 
 
-def route(logits, bias, cfg):
+def route(logits, bias, cfg, backend=None):
     """Router: (expert ids [N, k], combine weights [N, k] fp32) from fp32 router logits [N, E].
 
     The correction bias only decides which experts are selected; the weights come from the
-    unbiased sigmoid scores, renormalised over the chosen k, times routed_scaling_factor.
+    unbiased sigmoid scores, renormalised over the chosen k, times routed_scaling_factor. Without
+    expert groups the choice is one kernel on the Pallas backend (`top_k_scores`: the same ids
+    and scores bitwise), where XLA sorts.
     """
     scores = jax.nn.sigmoid(logits.astype(F32))
+    if cfg.num_expert_group == 1:
+        idx, w = top_k_scores(scores, bias.astype(F32), cfg.num_experts_per_token, backend=backend)
+        return idx, _combine_weights(w, cfg)
+    # group-limited selection (DeepSeek V3): the best groups by their top-2 sum
     choice = scores + bias.astype(F32)
-    if cfg.num_expert_group > 1:  # group-limited selection (DeepSeek V3): best groups by top-2 sum
-        N, E = choice.shape
-        grouped = choice.reshape(N, cfg.num_expert_group, E // cfg.num_expert_group)
-        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
-        keep = jax.lax.top_k(group_score, cfg.topk_group)[1]
-        group_mask = jnp.zeros_like(group_score, bool).at[jnp.arange(N)[:, None], keep].set(True)
-        choice = jnp.where(jnp.repeat(group_mask, E // cfg.num_expert_group, axis=1), choice, -jnp.inf)
+    N, E = choice.shape
+    grouped = choice.reshape(N, cfg.num_expert_group, E // cfg.num_expert_group)
+    group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+    keep = jax.lax.top_k(group_score, cfg.topk_group)[1]
+    group_mask = jnp.zeros_like(group_score, bool).at[jnp.arange(N)[:, None], keep].set(True)
+    choice = jnp.where(jnp.repeat(group_mask, E // cfg.num_expert_group, axis=1), choice, -jnp.inf)
     _, idx = jax.lax.top_k(choice, cfg.num_experts_per_token)
-    w = jnp.take_along_axis(scores, idx, axis=-1)
+    return idx, _combine_weights(jnp.take_along_axis(scores, idx, axis=-1), cfg)
+
+
+def _combine_weights(w, cfg):
+    """The chosen experts' scores w [N, k], renormalised over the k if the config says so, times
+    routed_scaling_factor."""
     if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
         w = w / (w.sum(-1, keepdims=True) + 1e-20)
-    return idx, w * cfg.routed_scaling_factor
+    return w * cfg.routed_scaling_factor
 
 
 # Up to this many (token, expert) pairs their order by expert is counted (one fused compare and
@@ -244,7 +255,7 @@ def moe_apply(cfg, p, xf, backend=None, axes: MoEAxes = MoEAxes(), fuse_glu=Fals
     `experts_combine`."""
     dt = cfg.jnp_dtype
     logits = router_logits(xf, p["gate"])
-    idx, w = route(logits, p["e_score_correction_bias"], cfg)
+    idx, w = route(logits, p["e_score_correction_bias"], cfg, backend)
     L = cfg.routed_expert_hidden_size
     shared = p["shared_experts"] if cfg.num_shared_experts else None
     # the latent down-projection and the shared experts' gate and up: one launch at decode

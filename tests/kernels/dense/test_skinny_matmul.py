@@ -93,3 +93,17 @@ def test_bad_input_is_one_line_errors():
         skinny_matmul(x, ws, backend="interpret", config=SkinnyConfig(block_k=48))
     with pytest.raises(ValueError, match="block_k=128 must divide K=64"):
         skinny_matmul(x, ws, backend="interpret", config=SkinnyConfig(block_k=128))
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_lowers_for_gpu_at_k3_shapes(platform):
+    """Pallas' Triton lowering takes the kernel at a K3 rank's groups (no GPU needed): the KDA
+    input group at one row (ragged 12-wide weight) and at 256 rows, an output projection at 64."""
+    from kernels_pallas.gpu_lowering import lower_for_gpu
+
+    sd = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    for m, k, ns in ((1, 7168, (1536, 1536, 1536, 1536, 128, 12)), (256, 7168, (1536, 768)),
+                     (64, 1536, (7168,))):
+        lower_for_gpu(lambda x, ws: skinny_matmul(x, ws, backend="pallas"), sd((m, k), bf16),
+                      [sd((k, n), bf16) for n in ns], platform=platform)
