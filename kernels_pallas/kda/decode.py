@@ -29,7 +29,21 @@ F32 = jnp.float32
 
 
 def _decode_kernel(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gate_ref, onw_ref,
-                   s_ref, o_ref, cs_out_ref, s_out_ref, *, W, scale, lower_bound, eps, xdtype):
+                   s_ref, live_ref, o_ref, cs_out_ref, s_out_ref, **kw):
+    live = live_ref[...] != 0
+
+    @pl.when(live)
+    def _():
+        _decode_row(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gate_ref, onw_ref,
+                    s_ref, o_ref, cs_out_ref, s_out_ref, **kw)
+
+    @pl.when(~live)  # an idle row: both states stay in place untouched (aliased), its output is 0
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+def _decode_row(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gate_ref, onw_ref,
+                s_ref, o_ref, cs_out_ref, s_out_ref, *, W, scale, lower_bound, eps, xdtype):
     K = qkv_ref.shape[-1]
     col = jax.lax.broadcasted_iota(jnp.int32, (K, W), 1)
     ys, hists, xs = [], [], []
@@ -79,10 +93,11 @@ def _decode_kernel(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gat
 @functools.partial(jax.jit, static_argnames=("num_heads", "lower_bound", "eps", "scale",
                                              "interpret", "num_warps"),
                    donate_argnames=("conv_state", "state"))
-def kda_decode_pallas(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state, *,
-                      num_heads, lower_bound=None, eps=1e-5, scale=None, interpret=False,
-                      num_warps=4):
+def kda_decode_pallas(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state,
+                      live=None, *, num_heads, lower_bound=None, eps=1e-5, scale=None,
+                      interpret=False, num_warps=4):
     B, P3 = qkv.shape
+    live = jnp.ones((B,), jnp.int32) if live is None else live.astype(jnp.int32)
     H = num_heads
     P = P3 // 3
     K = P // H
@@ -110,6 +125,7 @@ def kda_decode_pallas(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_nor
             pl.BlockSpec((None, None, K), lambda b_, h: (b_, h, 0)),               # out gate
             pl.BlockSpec((K,), lambda b_, h: (0,)),                                # o_norm w
             pl.BlockSpec((None, None, K, K), lambda b_, h: (b_, h, 0, 0)),         # state
+            pl.BlockSpec((None,), lambda b_, h: (b_,)),                            # live
         ],
         out_specs=[
             pl.BlockSpec((None, None, K), lambda b_, h: (b_, h, 0)),
@@ -123,12 +139,12 @@ def kda_decode_pallas(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_nor
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode",
-    )(qkv4, cs5, cw4, f3, alog, dtb, b, g3, o_norm_w, state)
+    )(qkv4, cs5, cw4, f3, alog, dtb, b, g3, o_norm_w, state, live)
     return out.reshape(B, P), cs_new.reshape(conv_state.shape), s_new
 
 
-def kda_decode_reference(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state, *,
-                         num_heads, lower_bound=None, eps=1e-5, scale=None):
+def kda_decode_reference(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state,
+                         live=None, *, num_heads, lower_bound=None, eps=1e-5, scale=None):
     """The same step composed from reference.py (kda_gate, l2norm, kda_recurrent)."""
     B, P3 = qkv.shape
     H = num_heads
@@ -147,18 +163,26 @@ def kda_decode_reference(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_
     o = o.reshape(B, H, K)
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * o_norm_w.astype(F32)
     o = o * jax.nn.sigmoid(gate.astype(F32).reshape(B, H, K))
-    return o.reshape(B, P).astype(qkv.dtype), new_conv, S
+    o = o.reshape(B, P).astype(qkv.dtype)
+    if live is not None:  # idle rows keep both states; their output is 0
+        on = live != 0
+        o = jnp.where(on[:, None], o, jnp.zeros_like(o))
+        new_conv = jnp.where(on[:, None, None], new_conv, conv_state)
+        S = jnp.where(on[:, None, None, None], S, state)
+    return o, new_conv, S
 
 
-def kda_decode(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state, *,
+def kda_decode(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state, live=None, *,
                num_heads, lower_bound=None, eps=1e-5, scale=None, backend=None, num_warps=4):
     """One decode step of a KDA layer -> (out [B, P] in qkv's dtype, new conv_state, new state).
+    live [B] (default: every row): rows where it is 0 take no token, keep both states and output
+    0 (an engine's idle slots).
 
     On the Pallas backends conv_state and state are donated and updated in place."""
     backend = resolve_backend(backend)
     kw = dict(num_heads=num_heads, lower_bound=lower_bound, eps=eps, scale=scale)
     if backend == "reference":
         return kda_decode_reference(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w,
-                                    state, **kw)
+                                    state, live, **kw)
     return kda_decode_pallas(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state,
-                             interpret=backend == "interpret", num_warps=num_warps, **kw)
+                             live, interpret=backend == "interpret", num_warps=num_warps, **kw)

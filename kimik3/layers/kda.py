@@ -84,16 +84,12 @@ def kda_apply(cfg, p, x, cache, n_new, backend=None, tensor_axis=None, all_posit
         return y if tensor_axis is None else jax.lax.psum(y, tensor_axis)
 
     if T == 1 and not all_positions and resolve_backend(backend) != "reference":
-        # One fused launch: conv update, norms, gates, state update in place, gated norm.
-        # Idle rows (n_new = 0) get gate and beta logits of -1e30, i.e. decay 1 and no write, so
-        # the big state stays in place untouched; only the small conv state is selected back.
-        idle = (n_new == 0)[:, None]
-        old_conv = jnp.copy(cache["conv"])  # the kernel donates (updates in place) its inputs
+        # One fused launch: conv update, norms, gates, state update in place, gated norm. Idle
+        # rows (n_new = 0) are skipped inside it: both states stay in place untouched.
         o, conv_state, state = kda_decode(
-            qkv_raw[:, 0], cache["conv"], conv_w, jnp.where(idle, -1e30, f[:, 0].astype(F32)), A_log,
-            dt_bias, jnp.where(idle, -1e30, b_logits[:, 0]), gate[:, 0], o_norm, cache["state"],
-            num_heads=H, lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps, backend=backend)
-        conv_state = jnp.where(idle[:, :, None], old_conv, conv_state)
+            qkv_raw[:, 0], cache["conv"], conv_w, f[:, 0], A_log, dt_bias, b_logits[:, 0], gate[:, 0],
+            o_norm, cache["state"], n_new, num_heads=H, lower_bound=cfg.gate_lower_bound,
+            eps=cfg.rms_norm_eps, backend=backend)
         return out_proj(o[:, None].astype(dt)), {"state": state, "conv": conv_state}
 
     qkv, conv_state = causal_conv(qkv_raw, cache["conv"], conv_w, n_new)

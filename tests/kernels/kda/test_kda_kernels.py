@@ -173,6 +173,22 @@ def test_decode_vs_reference(dt, lb, K):
     assert rel(out[2], ref[2]) < 1e-5
 
 
+def test_decode_skips_idle_rows():
+    """Rows with live = 0 (an engine's idle slots) keep both states bitwise and output 0; the
+    others are the full step's, on both backends."""
+    a = decode_inputs(3, 2, 32, F32, seed=4)
+    live = jnp.array([1, 0, 1], jnp.int32)
+    full = kda_decode(**{n: x.copy() for n, x in a.items()}, num_heads=2, backend="reference")
+    for backend in ("reference", "interpret"):
+        o, conv, S = kda_decode(**{n: x.copy() for n, x in a.items()}, live=live, num_heads=2,
+                                backend=backend)
+        np.testing.assert_array_equal(o[1], 0)
+        np.testing.assert_array_equal(conv[1], a["conv_state"][1])
+        np.testing.assert_array_equal(S[1], a["state"][1])
+        for got, want in zip((o, conv, S), full):
+            assert rel(got[::2], want[::2]) < 1e-5, backend
+
+
 def test_decode_reference_matches_recurrent_step():
     """The decode reference itself against an independent composition of reference.py pieces."""
     B, H, K = 2, 2, 32
