@@ -27,6 +27,7 @@ BF16 = jnp.bfloat16
 GROUPS = {
     "kda_in": (7168, (1536, 1536, 1536, 1536, 128, 12)),
     "kda_out": (1536, (7168,)),
+    "kda_f_b": (128, (1536,)),  # below the kernel's MIN_K: XLA's dot on both sides
     "mla_in": (7168, (1536, 576, 1536)),
     "mla_q_b": (1536, (2304,)),
     "moe_in": (7168, (768, 768, 3584)),

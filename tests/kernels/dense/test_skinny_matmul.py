@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.dense import MAX_ROWS, SkinnyConfig, skinny_matmul
-from kernels_pallas.dense.ops import LONG_K, SHORT_ROWS
+from kernels_pallas.dense.ops import LONG_K, MIN_K, SHORT_ROWS, on_kernel
 from kernels_pallas.dense.tuning import skinny_config
 
 # bf16 outputs: both products accumulate in fp32 (in other orders) and round once, so they agree
@@ -64,12 +64,20 @@ def test_weights_take_the_input_dtype():
 
 
 def test_shapes_left_to_xla_equal_the_reference():
-    """Past SHORT_ROWS with a short K, past MAX_ROWS, with no rows, or K not a multiple of 16,
-    the product is XLA's, bitwise."""
-    for lead, k in (((SHORT_ROWS + 1,), 64), ((MAX_ROWS + 1,), LONG_K), ((0,), 64), ((3,), 40)):
+    """Past MAX_ROWS, with no rows or K not a multiple of 16 the product is XLA's, bitwise, on
+    every backend."""
+    for lead, k in (((MAX_ROWS + 1,), 64), ((0,), 64), ((3,), 40)):
         x, ws = _inputs(1, lead, k, (32,), jnp.float32)
         (y,) = skinny_matmul(x, ws, backend="interpret")
         np.testing.assert_array_equal(y, x @ ws[0])
+
+
+def test_gpu_takes_the_kernel_where_it_was_measured_to_win():
+    assert on_kernel(1, 7168, "pallas") and on_kernel(SHORT_ROWS, MIN_K, "pallas")
+    assert not on_kernel(SHORT_ROWS + 1, 1536, "pallas")  # short K past 64 rows: XLA
+    assert on_kernel(MAX_ROWS, LONG_K, "pallas") and not on_kernel(MAX_ROWS + 1, LONG_K, "pallas")
+    assert not on_kernel(16, 128, "pallas")  # KDA's f_b: not measured, XLA
+    assert on_kernel(16, 128, "interpret") and not on_kernel(16, 128, "reference")
 
 
 def test_long_k_groups_take_wide_rows_in_wide_tiles():
