@@ -71,6 +71,7 @@ def test_engine_profile_categories_from_kernel_names():
             "kda_decode": "kda", "kda_chunk_diag": "kda", "kda_chunk_out": "kda",
             "mla_decode_bh16_bk64_bf16": "mla", "mla_merge_splits": "mla", "mla_prefill": "mla",
             "attn_res_norm": "norms_attnres",
+            "skinny_matmul_m16_k7168_n6284": "dense_matmul", "route_top_k": "routing_sort",
             "radix_sort_onesweep_kernel": "routing_sort",
             "void cub::DeviceRadixSortOnesweepKernel<cub::DeviceRadixSortPolicy<int, int>>": "routing_sort",
             "fusion_12": "other_fusions", "loop_reduce_fusion": "other_fusions",

@@ -66,6 +66,7 @@ def skinny_matmul_pallas(x, weights, *, block_m, block_n, block_k, num_warps, nu
         starts.append(starts[-1] + pl.cdiv(n, block_n))
     outs = [jax.ShapeDtypeStruct((m, n), x.dtype) for n in ns]
     precision = jax.lax.Precision.HIGHEST if x.dtype == F32 else None  # fp32: no TF32 passes
+    name = f"skinny_matmul_m{m}_k{x.shape[1]}_n{sum(ns)}"  # by shape: a profile tells groups apart
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     kernel = functools.partial(_kernel, m=m, ns=ns, starts=tuple(starts), block_m=block_m,
                                block_n=block_n, block_k=block_k, precision=precision)
@@ -74,5 +75,5 @@ def skinny_matmul_pallas(x, weights, *, block_m, block_n, block_k, num_warps, nu
         in_specs=[full(x.shape)] + [full(w.shape) for w in weights],
         out_specs=[full(o.shape) for o in outs], out_shape=outs,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="skinny_matmul",
+        interpret=interpret, name=name,
     )(x, *weights))
