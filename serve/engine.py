@@ -14,6 +14,7 @@ import itertools
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,29 @@ class SamplingParams:
         """The same rules as kimik3.generate's (kimik3.sampling.check_sampling)."""
         check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed, self.stop_tokens,
                        self.stop_strings, self.top_logprobs, vocab_size)
+
+
+class SequenceView(Sequence):
+    """A request's sequence (prompt, then output) read in place: its length, an item and a slice
+    (step 1) copy only what they return; the request may grow between reads."""
+    __slots__ = ("_req",)
+
+    def __init__(self, req):
+        self._req = req
+
+    def __len__(self) -> int:
+        return self._req.seq_len
+
+    def __getitem__(self, i):
+        n = len(self)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            return self._req.tokens(start, max(start, stop)) if step == 1 else self._req.sequence[i]
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"index {i} out of a sequence of {n} tokens")
+        prompt = self._req.prompt
+        return prompt[j] if j < len(prompt) else self._req.output[j - len(prompt)]
 
 
 @dataclasses.dataclass
@@ -89,6 +113,10 @@ class Request:
     @property
     def seq_len(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    def view(self) -> "SequenceView":
+        """The sequence read in place (the drafters' input: no copy of a long context a cycle)."""
+        return SequenceView(self)
 
     def tokens(self, start: int, end: int) -> list:
         """sequence[start:end], copying only that span."""
@@ -515,7 +543,7 @@ class Engine:
         for r in running:  # a row drafts only what it can still commit and what fits the cache
             room = min(k, r.params.max_new_tokens - len(r.output) - 1, self.max_seq_len - r.fed - 1)
             if room > 0:
-                rows[r.slot] = (r.id, r.sequence, room)
+                rows[r.slot] = (r.id, r.view(), room)
         drafts = self.spec.propose({s: (key, seq) for s, (key, seq, _) in rows.items()}, k,
                                    self.max_batch, self.max_seq_len)
         rooms = {s: room for s, (_, _, room) in rows.items()}

@@ -235,3 +235,29 @@ def test_speculation_on_tp_and_dcp_meshes(tiny_greedy):
     s = eng.stats()
     assert 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]
     eng.check_pages()
+
+
+def test_drafters_read_the_sequence_in_place():
+    """The drafters' input is a view of prompt + output (no copy of a long context a cycle):
+    length, items and slices (negative, past the end, across the prompt's end) equal the list's,
+    and it follows the request as it grows."""
+    import random
+
+    from serve.engine import Request
+
+    rng = random.Random(0)
+    req = Request.__new__(Request)
+    for _ in range(50):
+        req.prompt = [rng.randrange(100) for _ in range(rng.randrange(9))]
+        req.output = [rng.randrange(100) for _ in range(rng.randrange(9))]
+        view, seq = req.view(), req.prompt + req.output
+        assert len(view) == len(seq) and view[::2] == seq[::2]
+        for a in range(-11, 12):
+            if -len(seq) <= a < len(seq):
+                assert view[a] == seq[a]
+            for b in (*range(-11, 12), None):
+                assert view[a:b] == seq[a:b]
+        req.output.append(7)
+        assert len(view) == len(seq) + 1 and view[-1] == 7
+    with pytest.raises(IndexError, match="out of a sequence"):
+        view[len(view)]
