@@ -7,7 +7,7 @@ K3 TP8 rank's shapes, after a check of every case.
 
 A group is the weights one input meets in a layer (KDA: q, k, v, g, f_a, b from the normalised
 hidden; the MoE: the shared experts' gate and up and the latent down-projection; ...). Time: the
-GPU kernels of one call (profiler), the partial sums' reduction included. Bytes: the weights,
+GPU kernels of one call (profiler). Bytes: the weights,
 read once; % of the JAX copy bandwidth (read + write) of this run. --sweep also times column
 tiles of 32 to 128, K steps of 64 to 256 and 3 or 4 pipeline stages (details only), to choose
 the defaults from."""

@@ -14,7 +14,8 @@ from .kernel_timer import trace_events
 CATEGORIES = ("dense_matmul", "moe", "kda", "mla", "norms_attnres", "routing_sort", "other_fusions")
 # first match wins: the Pallas kernels by their launch names (kernels_pallas/*: kda_decode,
 # kda_chunk_*, kda_verify, mla_decode_*, mla_prefill, mla_merge_splits, moe_gmm, moe_gmm_tiles,
-# attn_res_norm, route_top_k, skinny_matmul_m*_k*_n*), then library GEMMs and XLA's GEMM fusions, sorts / top-k of the router
+# attn_res_norm, route_top_k, skinny_matmul_m*_k*_n*), then library GEMMs and XLA's GEMM
+# fusions, sorts / top-k of the router
 _RULES = (("kda", ("kda_",)), ("mla", ("mla_",)), ("moe", ("moe_gmm",)),
           ("norms_attnres", ("attn_res", "rms_norm", "rmsnorm", "layernorm", "layer_norm")),
           ("routing_sort", ("sort", "topk", "top_k")),

@@ -695,6 +695,13 @@ def layer_section(run, ctx, token_list, formats, glu_modes=("unfused",)):
 ROUTER_AREA = "MoE router at K3's shape (7168 x 896 experts, k 16; GPU time)"
 
 
+def err_f64(logits, x, gate, rows=256):
+    """Largest error of router logits over their first `rows` rows against the float64 product,
+    relative to the largest exact logit."""
+    exact = np.asarray(x[:rows], np.float64) @ np.asarray(gate.astype(jnp.float32), np.float64)
+    return float(np.abs(np.asarray(logits[:rows], np.float64) - exact).max() / np.abs(exact).max())
+
+
 def router_section(run, tokens, cpu):
     from kimik3.layers.moe import ROUTER_SPLIT_ROWS, route, router_fp32, router_logits, router_pieces
     from kernels_pallas.moe.topk import top_k_scores
@@ -714,9 +721,7 @@ def router_section(run, tokens, cpu):
         same = float(jnp.mean(jnp.all(jnp.sort(ids(want)) == jnp.sort(ids(got)), -1)))
         rel_err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
         # which of the two is off: both against the float64 product of up to 256 rows
-        exact = np.asarray(x[:256], np.float64) @ np.asarray(gate, np.float64)
-        off = lambda y: float(np.abs(np.asarray(y[:256], np.float64) - exact).max()  # noqa: E731
-                              / np.abs(exact).max())
+        off = lambda y, g=gate: err_f64(y, x, g)  # noqa: E731
         ours, _ = gpu_time(pieces, x, gate, cpu=cpu)
         peer, _ = gpu_time(fp32, x, gate, cpu=cpu)
         run.details.setdefault("router", []).append(dict(rows=n, pieces_ms=ours, fp32_ms=peer, same_experts=same,
@@ -731,9 +736,8 @@ def router_section(run, tokens, cpu):
                 note=f"model: {chosen}; same experts {100 * same:.1f}%")
         # K3 stores the gate in bf16: one bf16 matmul accumulating in fp32 (the model's path)
         g16 = gate.astype(jnp.bfloat16)
-        exact = np.asarray(x[:256], np.float64) @ np.asarray(g16.astype(jnp.float32), np.float64)
         got16, want16 = bf16_gate(x, g16), fp32(x, g16)
-        err16 = float(np.abs(np.asarray(got16[:256], np.float64) - exact).max() / np.abs(exact).max())
+        err16 = err_f64(got16, x, g16)
         if err16 > 1e-5:
             raise AssertionError(f"the bf16-gate router is off the float64 product by {err16:.2e}")
         same16 = float(jnp.mean(jnp.all(jnp.sort(ids(want16)) == jnp.sort(ids(got16)), -1)))

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sharding.kda import kda_cache_specs
 from .config import Config
 from .layers.attnres import mixed_norm
-from .layers.common import F32, INIT_STD, kernel, project
+from .layers.common import F32, INIT_STD, kernel
 from .layers.kda import KDA, kda_cache_shapes
 from .layers.mla import MLA, mla_cache_shapes
 from .layers.moe import MLP, MoE
@@ -153,5 +153,5 @@ class KimiLM(nn.Module):
         else:
             # XLA's GEMM reads the wide head at copy speed: no skinny matmul here
             lm_head = kernel((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg, "lm_head")
-            logits = project(z, [lm_head], cfg.jnp_dtype, "reference")[0]
+            logits = z.astype(cfg.jnp_dtype) @ lm_head.astype(cfg.jnp_dtype)
         return logits.astype(F32), (None if cache_layers is None else tuple(new_layers))

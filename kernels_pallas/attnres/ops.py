@@ -10,8 +10,8 @@ from .reference import attn_res_norm_reference
 from .tuning import NormConfig, norm_config
 
 # Fewer tokens than this leave the kernel a few programs, each reading its rows' whole hidden
-# size alone; XLA's fusion spreads them over the GPU and was faster (H100: 8 vs 23 us at one
-# token, 10 vs 15 at 16; the kernel won from 64). The interpreter runs the kernel at any size.
+# size alone; XLA's fusion spreads them over the GPU and was faster there (BENCHMARKS.md, AttnRes
+# rows; the kernel won from 64). The interpreter runs the kernel at any size.
 MIN_TOKENS = 64
 
 
@@ -27,7 +27,7 @@ def attn_res_norm(bank, residual, delta, g, w, gain, *, eps: float, backend: str
     bit-identical on every backend (the caller persists it, and freezes it as a bank row at a
     block end)."""
     backend = resolve_backend(backend)
-    rows = (residual if residual is not None else delta)
+    rows = residual if residual is not None else delta
     tokens = rows.size // rows.shape[-1] if rows.size else 0
     if backend == "reference" or tokens == 0 or (backend == "pallas" and tokens < MIN_TOKENS):
         return attn_res_norm_reference(bank, residual, delta, g, w, gain, eps=eps)

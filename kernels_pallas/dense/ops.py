@@ -11,11 +11,11 @@ from .tuning import SkinnyConfig, skinny_config
 
 # Up to SHORT_ROWS rows the kernel was as fast as XLA's GEMMs or faster at every group of a K3
 # rank; up to MAX_ROWS it still won where K is at least LONG_K (the projections of the hidden
-# state: 1.5-1.8x at 256 rows) and lost where K is short (the output projections).
+# state: 1.4-1.8x at 256 rows) and lost where K is short (the output projections).
 SHORT_ROWS = 64
 MAX_ROWS = 256
 LONG_K = 4096
-MIN_K = 768  # shorter K (KDA's f_b, K 128) was not measured: XLA's dot keeps it
+MIN_K = 768  # the shortest K measured; shorter ones (KDA's f_b, K 128) keep XLA's dot
 
 
 def on_kernel(m: int, k: int, backend: str) -> bool:
@@ -30,8 +30,8 @@ def on_kernel(m: int, k: int, backend: str) -> bool:
 def skinny_matmul(x, weights, *, backend: str | None = None, config: SkinnyConfig | None = None):
     """x [..., K] times each of `weights` ([K, N_i], cast to x's dtype) -> a tuple of [..., N_i]
     in x's dtype: one launch for the group at decode widths (`on_kernel`), XLA's dot otherwise
-    and on the reference backend. The kernel accumulates in
-    fp32 like XLA's GEMMs, in another order: results agree to the output dtype's rounding."""
+    and on the reference backend. The kernel accumulates in fp32 like XLA's GEMMs, in another
+    order: results agree to the output dtype's rounding."""
     backend = resolve_backend(backend)
     weights = tuple(weights)
     lead, k = x.shape[:-1], x.shape[-1]

@@ -2,11 +2,12 @@
 
 Decode-width products stream their weights once. Column tiles of 64 (128-byte rows of bf16
 weights) over every weight of a group give a K3 rank's groups 36 to 100 programs that each stream
-their whole K; on the H100 that read the weights at 80-130% of the JAX copy rate from 1 to 64
-rows, where 32- and 128-column tiles, and splitting K into parts added by a second pass, were
-slower or no faster (`python -m benchmarks dense --sweep`; table in BENCHMARKS.md). Past 64 rows
-(row blocks of 128) tiles of 128 columns were fastest at 256 rows for two of the three long-K
-groups and second for the third; rows between 64 and 256 were not measured.
+their whole K (`python -m benchmarks dense --sweep` chose them; table in BENCHMARKS.md). 32- and
+128-column tiles were no better by more than a few points, except for MLA's small q_b group.
+Splitting K into parts that a second pass adds helped only at 64 rows for two groups and lost
+at 1 and 16 rows, so there is one path, without splits. Past 64 rows (row blocks of 128) tiles of
+128 columns were fastest at 256 rows for two of the three long-K groups and second for the third;
+rows between 64 and 256 were not measured.
 """
 from __future__ import annotations
 

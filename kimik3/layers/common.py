@@ -40,7 +40,7 @@ def project(x, kernels, dt, backend=None) -> tuple:
     mesh = jax.sharding.get_abstract_mesh()
     if not (mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual):
         backend = "reference"
-    return skinny_matmul(x.astype(dt), [k.astype(dt) for k in kernels], backend=backend)
+    return skinny_matmul(x.astype(dt), kernels, backend=backend)  # kernels are cast to x's dtype
 
 
 def kernel(shape: tuple, axes: tuple, cfg, name: str):
