@@ -52,10 +52,18 @@ def decode_profile(eng, step_us: float, reps: int = 4):
     """Where a decode token's GPU time goes: `reps` engine decode calls under the profiler, kernel
     time per token by category (us), launches per token, and host_gap = step_us (the untraced
     wall time a token) - GPU busy time a token. None where the trace has no GPU plane (CPU)."""
-    events = trace_events(eng.step, reps=reps, sync=lambda _: jax.block_until_ready(eng.layers))
+    rows, fed = eng.running, []
+
+    def call():  # an engine step and the call it queued ahead, so each traced call's tokens count
+        before = sum(r.fed for r in rows)
+        eng.step()
+        eng.drain()
+        fed.append(sum(r.fed for r in rows) - before)
+
+    events = trace_events(call, reps=reps, sync=lambda _: None)
     if events is None:
         return None
-    tokens = reps * eng.decode_steps
+    tokens = sum(fed[1:]) / len(rows)  # the first call is trace_events' untraced warm-up
     cats = dict.fromkeys(CATEGORIES, 0.0)
     by_kernel = defaultdict(float)
     for _, name, _, dur in events:

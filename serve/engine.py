@@ -92,6 +92,7 @@ class Request:
     prefix_hit_tokens: int | None = None  # prompt tokens restored from the prefix cache at admission
     prefix: object = None  # its place in the prefix cache while it holds a slot
     waits_for: tuple | None = None  # (running request, position) whose prefill it waits for, queued
+    cache_ahead: bool = False  # aborted while a chained decode call fed it: its state is past `fed`
 
     @property
     def logprobs(self) -> list[float] | None:
@@ -138,6 +139,24 @@ class Request:
 
 
 STOP_SLOTS = 8  # stop tokens the decode loop checks on device (past that, the host still stops)
+
+
+@dataclasses.dataclass
+class DecodeCall:
+    """A dispatched decode_steps call: its rows, its device outputs (sampled, fed, logprobs), the
+    carry a chained call starts from, and the host inputs a chained call reuses."""
+    rows: list
+    steps: int
+    outs: list
+    carry: tuple
+    common: dict
+    stops: np.ndarray
+    limit: np.ndarray
+
+    def results(self):
+        """(sampled [steps, B], fed [B], logprobs or None) on the host (waits for the device)."""
+        sampled, fed, lp = self.outs
+        return np.asarray(sampled), np.asarray(fed), lp and tuple(np.asarray(a) for a in lp)
 
 
 MIN_PREFILL_WIDTH = 64  # narrower calls are launch-bound: a few more widths would only add compiles
@@ -232,6 +251,7 @@ class Engine:
         self.admitted_prompt_tokens = 0  # with the prefix cache off (it counts its own)
         self._ids = itertools.count()
         self._reset = np.zeros(max_batch, bool)
+        self._pending: DecodeCall | None = None  # a decode call dispatched ahead of the host
         self.prefix = (PrefixCache(self, cache_block, device_cache_bytes, host_cache_bytes, checkpoint_interval)
                        if prefix_cache else None)
         self.spec = None if speculative is None else Speculator(speculative, num_speculative_tokens)
@@ -268,6 +288,8 @@ class Engine:
         already finished."""
         if req.finished is not None:
             return False
+        if self._pending is not None and req.slot is not None and any(r is req for r in self._pending.rows):
+            req.cache_ahead = True  # the call in flight may feed it past req.fed
         for i, r in enumerate(self.waiting):
             if r is req:  # by identity: Requests compare by value
                 del self.waiting[i]
@@ -280,7 +302,7 @@ class Engine:
         return [r for r in self.slots if r is not None]
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(r is not None for r in self.slots)
+        return bool(self.waiting) or self._pending is not None or any(r is not None for r in self.slots)
 
     def check_pages(self):
         """Allocator invariants: no leaked pages, none owned twice, every holder listed; with the
@@ -417,7 +439,11 @@ class Engine:
 
     # ---- one scheduler iteration ----
     def step(self) -> list[tuple[Request, list[int]]]:
-        """Run one device call; returns (request, new tokens) for every request that produced any."""
+        """Collect one device call; returns (request, new tokens) for every request that produced
+        any. In steady decode the next call is already queued on the device when this returns
+        (its tokens come with the next step)."""
+        if self._pending is not None:
+            return self._step_pending()
         self._admit()
         running = self.running
         if not running:
@@ -502,15 +528,21 @@ class Engine:
                 sampled = np.asarray(sampled)[None]  # [1, B]
                 lp = lp and tuple(np.asarray(a)[None] for a in lp)
             else:
-                sampled, fed, lp, self.layers = decode_steps(self.model, self.layers, tokens, start, n_new,
-                                                             stops=stops, limit=limit, steps=steps, **common)
-                sampled, n_new = np.asarray(sampled), np.asarray(fed)
-                lp = lp and tuple(np.asarray(a) for a in lp)
+                *outs, carry, self.layers = decode_steps(self.model, self.layers, tokens, start, n_new,
+                                                         stops=stops, limit=limit, steps=steps, **common)
+                call = DecodeCall(running, steps, outs, carry, common, stops, limit)
+                if self.spec is None and self._chainable(call):
+                    self._pending = self._chain(call)
+                sampled, n_new, lp = call.results()
         if self.spec is not None and not prefilling:
             # a plain call is depth 0's per-token cost; a depth-k cycle that found no draft is
             # what depth k costs while drafts are missing
             self.spec.timed(len(running), undrafted, clock.seconds / steps, program=("plain", steps))
         self._reset[:] = False
+        return self._apply(running, sampled, n_new, lp, prefilling)
+
+    def _apply(self, running, sampled, n_new, lp, prefilling: bool):
+        """Apply a device call's results to its rows: tokens fed, blocks cached, samples accepted."""
         events = []
         for r in running:
             s = r.slot
@@ -528,6 +560,64 @@ class Engine:
             if kept or r.finished:
                 events.append((r, kept))
         return events
+
+    # ---- decode calls chained on device ----
+    def _step_pending(self):
+        """Collect the decode call dispatched ahead, first dispatching the next one behind it when
+        nothing needs the host in between, so the device never waits for this host work."""
+        call, self._pending = self._pending, None
+        with mesh_context(self.mesh):
+            if self._chainable(call):
+                self._pending = self._chain(call)
+            sampled, n_new, lp = call.results()
+        return self._apply([r for r in call.rows if r.finished is None], sampled, n_new, lp, False)
+
+    def _chainable(self, call) -> bool:
+        """Whether the call after `call` can be dispatched before the host reads `call`: no
+        request is waiting to be admitted, every row's stop rules run on device (stop tokens that
+        fit STOP_SLOTS, no stop strings), some row will still be decoding after it, and the pages
+        the next call writes are free without preempting anyone. The host reads a row's state
+        after `call` (the prefix cache's checkpoints) only where the row ends exactly at its
+        sequence, which in decode means the device stopped feeding it: the next call leaves it
+        as it was."""
+        if self.waiting or any(r.cache_ahead for r in call.rows):  # an aborted row still feeds in `call`
+            return False
+        rows = [r for r in call.rows if r.finished is None]
+        if not any(r.params.max_new_tokens - len(r.output) > call.steps for r in rows):
+            return False
+        for r in rows:
+            if r.params.stop_strings or len(stop_set(self.cfg, r.params.stop_tokens)) > STOP_SLOTS:
+                return False
+        upto = {id(r): min(r.fed + 2 * call.steps, self.max_seq_len) for r in rows}
+        need = sum(max(0, math.ceil(upto[id(r)] / self.page_size) - len(r.pages)) for r in rows)
+        if need > self.available_pages():
+            return False
+        for r in rows:
+            got = self._ensure_pages(r, upto[id(r)])
+            assert got, "pages counted as available"
+        return True
+
+    def _chain(self, call) -> "DecodeCall":
+        """Dispatch the decode call that continues `call` from its device outputs."""
+        table = np.zeros_like(call.common["page_table"])
+        for r in call.rows:
+            if r.finished is None:
+                table[r.slot, :len(r.pages)] = r.pages
+        tokens, start, active, gen = call.carry
+        common = dict(call.common, page_table=table, gen_idx=gen)
+        *outs, carry, self.layers = decode_steps(self.model, self.layers, tokens, start, active, stops=call.stops,
+                                                 limit=call.limit, steps=call.steps, **common)
+        return DecodeCall(call.rows, call.steps, outs, carry, common, call.stops, call.limit)
+
+    def drain(self) -> list[tuple[Request, list[int]]]:
+        """Collect a decode call dispatched ahead, dispatching nothing more (step() does that in
+        its turn); returns its events."""
+        if self._pending is None:
+            return []
+        call, self._pending = self._pending, None
+        with mesh_context(self.mesh):
+            sampled, n_new, lp = call.results()
+        return self._apply([r for r in call.rows if r.finished is None], sampled, n_new, lp, False)
 
     def _stop_ids(self, r: Request) -> list[int]:
         """The ids the device steps stop feeding a row at (at most STOP_SLOTS)."""

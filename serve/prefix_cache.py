@@ -222,7 +222,7 @@ class PrefixCache:
             return
         fed, n = req.fed, req.seq_len
         self._commit(req, min(fed, n))
-        if 0 < fed <= n:
+        if 0 < fed <= n and not req.cache_ahead:  # (a chained call may have fed it further)
             self._checkpoint(req, fed, final=True)
         end = req.prefix.prompt_end
         if fed > len(req.prompt) and end is not None and id(end) in self.index.lru:

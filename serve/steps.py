@@ -43,8 +43,9 @@ def decode_steps(model: Model, layers, tokens, start, active, page_table, seeds,
                  logprobs=False):
     """`steps` decode steps on device: feed each row's last token, sample the next. Returns the
     sampled tokens [steps, B], the tokens each row fed [B], their log-probabilities (None, or
-    (chosen [steps, B], top ids [steps, B, K], top logprobs [steps, B, K]) with `logprobs`) and
-    the layers. Rows with active = 0 are left untouched; a row stops feeding once it samples one
+    (chosen [steps, B], top ids [steps, B, K], top logprobs [steps, B, K]) with `logprobs`), the
+    next call's (tokens, start, active, gen_idx) so a following call can be chained on device
+    before the host reads this one, and the layers. Rows with active = 0 are left untouched; a row stops feeding once it samples one
     of its `stops` [B, S] (pad -1) or its token count reaches `limit` [B], so its cache ends
     exactly at its last kept token (the prefix cache checkpoints that state); samples after that
     are ignored by the engine."""
@@ -68,9 +69,9 @@ def decode_steps(model: Model, layers, tokens, start, active, page_table, seeds,
         lp_out = (jnp.zeros((steps, B), jnp.float32), jnp.zeros((steps, B, K), jnp.int32),
                   jnp.zeros((steps, B, K), jnp.float32))
     live = jnp.ones_like(active)
-    layers, _, end, _, out, _, lp_out = jax.lax.fori_loop(
+    layers, last, end, gen, out, live, lp_out = jax.lax.fori_loop(
         0, steps, body, (layers, tokens, start, gen_idx, out, live, lp_out))
-    return out, end - start, lp_out, layers
+    return out, end - start, lp_out, (last, end, active * live, gen), layers
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "dcp_axes", "logprobs"), donate_argnames=("layers",))

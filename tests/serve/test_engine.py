@@ -173,3 +173,62 @@ def test_short_prefills_run_in_narrower_calls(model, monkeypatch):
     out = eng.generate(prompts, max_new_tokens=5, stop_tokens=[])
     assert widths == [256, 64]
     assert out == kimik3.generate(model, prompts, max_new_tokens=5, stop_tokens=[], max_seq_len=320)
+
+
+def _agent_turns(model, eng, prompts):
+    """Four requests decoding together, a fifth submitted and one aborted mid-decode, then each
+    finished request's next turn (its prompt + output + new tokens). Returns what a user sees."""
+    sp = [SamplingParams(max_new_tokens=n, temperature=t, seed=i, stop_tokens=(), return_logprobs=True,
+                         top_logprobs=2) for i, (n, t) in enumerate(zip((25, 18, 30, 12, 20), (0, 0.7, 0, 1.0, 0)))]
+    reqs = [eng.submit(p, s, request_id=i) for i, (p, s) in enumerate(zip(prompts[:4], sp))]
+    ahead, steps = 0, 0
+    while eng.has_work():
+        eng.step()
+        steps += 1
+        ahead += eng._pending is not None
+        if steps == 4:
+            reqs.append(eng.submit(prompts[4], sp[4], request_id=4))
+        if steps == 5:
+            assert eng.abort(reqs[2])
+    eng.check_pages()
+    first = [(list(r.output), r.output.logprobs, r.finish_reason) for r in reqs]
+    # next turns: some extend the whole answer (the end-of-request checkpoint), some cut it short
+    # (a checkpoint taken mid-decode)
+    nxt = [r.prompt + list(r.output)[:len(r.output) - 7 * (i % 2)] + prompts[5][:5 + i]
+           for i, r in enumerate(reqs) if r.finish_reason != "abort"]
+    again = eng.generate(nxt, max_new_tokens=6, stop_tokens=[])
+    eng.check_pages()
+    return first, again, eng.stats()["prefix_hit_tokens"], ahead
+
+
+def test_decode_calls_queue_ahead_without_changing_outputs(model, monkeypatch):
+    """In steady decode the engine dispatches the next call before reading the last one (the
+    device does not wait for the scheduler). Greedy and sampled tokens, logprobs, admissions,
+    aborts, pages and the prefix cache's end-of-request checkpoints are those of an engine that
+    reads every call before the next."""
+    prompts = _prompts(6, 11, 10, 30)
+    make = lambda: Engine(model, max_batch=4, max_seq_len=128, page_size=8, prefill_chunk=16, decode_steps=3,
+                          cache_block=8, checkpoint_interval=16)
+    first, again, hits, ahead = _agent_turns(model, make(), prompts)
+    assert ahead >= 4  # calls were queued ahead
+    monkeypatch.setattr(Engine, "_chainable", lambda self, call: False)
+    first0, again0, hits0, ahead0 = _agent_turns(model, make(), prompts)
+    assert ahead0 == 0
+    assert first == first0 and again == again0
+    assert hits == hits0 and hits > 0
+    greedy = [kimik3.generate(model, [p], max_new_tokens=len(o), stop_tokens=[], max_seq_len=128)[0]
+              for p, (o, _, why), s in zip(prompts, first, (0, 1, 0, 1, 0)) if not s and why != "abort"]
+    assert greedy == [o for (o, _, why), s in zip(first, (0, 1, 0, 1, 0)) if not s and why != "abort"]
+
+
+def test_no_call_queues_ahead_where_the_host_must_decide(model):
+    """Stop strings are checked on the host, so a row with one is read after every call; so is a
+    step while requests wait for a slot."""
+    eng = Engine(model, max_batch=2, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=2)
+    eng.submit([1, 2, 3], SamplingParams(max_new_tokens=12, stop_tokens=(), stop_strings=("zz",)))
+    eng.submit([4, 5], SamplingParams(max_new_tokens=12, stop_tokens=()))
+    eng.submit([6], SamplingParams(max_new_tokens=12, stop_tokens=()))
+    while eng.has_work():
+        eng.step()
+        assert eng._pending is None or not eng.waiting and not any(r.params.stop_strings for r in eng.running)
+
