@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.dense import SkinnyConfig, skinny_matmul
+from kernels_pallas.dense.ops import on_kernel
 from kernels_pallas.dense.tuning import skinny_config
 from .common import gpu_ms, ints_arg, jax_copy_Bps, names_arg
 
@@ -53,10 +54,10 @@ def inputs(m, k, ns, seed=0):
     return x, tuple((0.02 * jax.random.normal(kk, (k, n))).astype(BF16) for kk, n in zip(ks[1:], ns))
 
 
-def check(x, ws, ys, refs):
+def check(x, ws, ys, refs, strict=True):
     """Each output against the exact product (float64): within one bf16 step of the element, or
-    of the output's RMS where it cancels (one rounding of an fp32 sum). XLA's error is recorded:
-    its GEMV at one row rounds further than that."""
+    of the output's RMS where it cancels (one rounding of an fp32 sum), where `strict` (ours is
+    the kernel, not XLA's dot). XLA's error is recorded: its GEMV at one row rounds further."""
     worst, xla = 0.0, 0.0
     x64 = np.asarray(x, np.float64)
     for w, y, r in zip(ws, ys, refs):
@@ -65,7 +66,7 @@ def check(x, ws, ys, refs):
         bound = 2.0 ** -8 * np.abs(exact) + 2.0 ** -9 * rms
         worst = max(worst, float((np.abs(np.asarray(y, np.float64) - exact) / bound).max()))
         xla = max(xla, float((np.abs(np.asarray(r, np.float64) - exact) / bound).max()))
-    if worst > 1:
+    if strict and worst > 1:
         raise AssertionError(f"off the exact product by {worst:.3g} x one bf16 step")
     return {"err_in_bf16_steps": round(worst, 3), "xla_err_in_bf16_steps": round(xla, 3)}
 
@@ -76,7 +77,8 @@ def fn(backend, config=None):
 
 def case(rec, args, name, k, ns, m, ours, peer, copy_Bps):
     x, ws = inputs(m, k, ns)
-    info = {"check": check(x, ws, ours(x, ws), peer(x, ws)),
+    strict = on_kernel(m, k, "interpret" if args.smoke else "pallas")  # else ours is XLA's dot too
+    info = {"check": check(x, ws, ours(x, ws), peer(x, ws), strict),
             "config": skinny_config(m, k).__dict__}
     t_ours, info["ours"] = gpu_ms(ours, x, ws, smoke=args.smoke)
     t_peer, info["xla"] = gpu_ms(peer, x, ws, smoke=args.smoke)

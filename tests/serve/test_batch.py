@@ -182,7 +182,8 @@ def test_two_processes_kill_and_resume(tmp_path, tiny_models, mesh):
     import kimik3
 
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    prompts, lengths = [list(range(1, 4 + 5 * i)) for i in range(8)], [2 + i for i in range(8)]
+    # answers of very different lengths: results arrive over many steps, so a kill lands mid-run
+    prompts, lengths = [list(range(1, 4 + 5 * i)) for i in range(8)], [2 + 3 * i for i in range(8)]
     with open(inp, "w") as f:
         for i, (p, n) in enumerate(zip(prompts, lengths)):
             f.write(json.dumps({"id": i, "prompt": p, "max_new_tokens": n}) + "\n")
