@@ -197,13 +197,15 @@ class AsyncEngine:
                     answer.set_exception(e)
                     continue
                 self._consumers[id(req)] = (loop, deltas)
-                self._ops.append(["submit", req.id, [int(t) for t in req.prompt], dataclasses.asdict(req.params)])
+                if self.followers is not None:  # (alone, nothing is sent: a copy would only pile up)
+                    self._ops.append(["submit", req.id, [int(t) for t in req.prompt], dataclasses.asdict(req.params)])
                 answer.set_result(req)
             elif command[0] == "cancel":
                 req = command[1]
                 if self.engine.abort(req):
                     self.cancelled += 1
-                    self._ops.append(["cancel", req.id])
+                    if self.followers is not None:
+                        self._ops.append(["cancel", req.id])
                     self._deliver(req, [])
 
     def _deliver(self, req: Request, tokens: list[int]):

@@ -23,7 +23,6 @@ def padded_ids(ids, fill: int) -> jnp.ndarray:
 
 
 @jax.jit
-@jax.jit
 def read_state(layers, slot):
     """The KDA recurrent + conv state of every KDA layer for one slot (a checkpoint); one device
     call (indexing each layer's arrays eagerly cost a dispatch per array, every checkpoint)."""

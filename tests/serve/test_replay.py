@@ -82,6 +82,7 @@ def test_replay_in_process_and_over_http_count_the_same_tokens(tmp_path):
         with ServerThread(build_app(aengine, default_tokenizer(model.cfg), "tiny")) as server:
             remote = tmp_path / "remote.json"
             assert main(["replay", "--url", server.url, *common, "--output", str(remote)]) == 0
+        assert aengine._ops == []  # one process: no copy of each prompt kept for followers
     finally:
         aengine.close()
 
