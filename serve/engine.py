@@ -6,6 +6,13 @@ Jitted shapes: a mixed step of width `prefill_chunk` (and of a few narrower widt
 prefill, such as a prompt's tail after a prefix-cache hit, does not pay for a whole chunk) and one
 `decode_steps`-token decode loop, all over the `max_batch` slots, so nothing recompiles in steady
 state.
+
+In steady decode the engine keeps one decode call queued on the device ahead of the host: the
+next call starts from the last one's device outputs (each row's last token, position, sample
+count, and whether it still decodes), so the scheduler's work between calls (reading tokens,
+stop checks, the prefix cache's bookkeeping, streaming) overlaps the device instead of idling it.
+Where the host must decide between calls (requests waiting, stop strings, pages short,
+speculation) it reads each call before dispatching the next.
 """
 from __future__ import annotations
 
