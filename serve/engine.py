@@ -259,6 +259,8 @@ class Engine:
         self._ids = itertools.count()
         self._reset = np.zeros(max_batch, bool)
         self._pending: DecodeCall | None = None  # a decode call dispatched ahead of the host
+        self._step_end = time.perf_counter()
+        self._spec_next = None  # a depth speculation's controller chose while a call was queued
         self.prefix = (PrefixCache(self, cache_block, device_cache_bytes, host_cache_bytes, checkpoint_interval)
                        if prefix_cache else None)
         self.spec = None if speculative is None else Speculator(speculative, num_speculative_tokens)
@@ -449,8 +451,12 @@ class Engine:
         """Collect one device call; returns (request, new tokens) for every request that produced
         any. In steady decode the next call is already queued on the device when this returns
         (its tokens come with the next step)."""
-        if self._pending is not None:
-            return self._step_pending()
+        try:
+            return self._step_pending() if self._pending is not None else self._step()
+        finally:
+            self._step_end = time.perf_counter()
+
+    def _step(self):
         self._admit()
         running = self.running
         if not running:
@@ -495,7 +501,8 @@ class Engine:
         else:
             steps, undrafted = self.decode_steps, 0
             if self.spec is not None:
-                events = self._speculate(running)
+                events = self._speculate(running, self._spec_next)
+                self._spec_next = None
                 if events is not None:
                     return events
                 if self.spec.depth:  # no draft this time: one token, so the next has a chance
@@ -538,7 +545,7 @@ class Engine:
                 *outs, carry, self.layers = decode_steps(self.model, self.layers, tokens, start, n_new,
                                                          stops=stops, limit=limit, steps=steps, **common)
                 call = DecodeCall(running, steps, outs, carry, common, stops, limit)
-                if self.spec is None and self._chainable(call):
+                if (self.spec is None or self.spec.depth == 0) and self._chainable(call):
                     self._pending = self._chain(call)
                 sampled, n_new, lp = call.results()
         if self.spec is not None and not prefilling:
@@ -573,11 +580,23 @@ class Engine:
         """Collect the decode call dispatched ahead, first dispatching the next one behind it when
         nothing needs the host in between, so the device never waits for this host work."""
         call, self._pending = self._pending, None
+        rows = [r for r in call.rows if r.finished is None]
         with mesh_context(self.mesh):
-            if self._chainable(call):
+            if self._spec_stays_off(rows) and self._chainable(call):
                 self._pending = self._chain(call)
             sampled, n_new, lp = call.results()
-        return self._apply([r for r in call.rows if r.finished is None], sampled, n_new, lp, False)
+        if self.spec is not None:  # a queued call's wall time is the interval between step ends
+            self.spec.timed(len(rows) or 1, 0, (time.perf_counter() - self._step_end) / call.steps,
+                            program=("plain", call.steps))
+        return self._apply(rows, sampled, n_new, lp, False)
+
+    def _spec_stays_off(self, rows) -> bool:
+        """With speculation, whether its controller keeps depth 0 for the next call (a depth it
+        chooses instead is kept for the step that runs it, so each cycle is chosen once)."""
+        if self.spec is None or not rows:
+            return True
+        self._spec_next = self.spec.choose([r.id for r in rows])
+        return self._spec_next == 0
 
     def _chainable(self, call) -> bool:
         """Whether the call after `call` can be dispatched before the host reads `call`: no
@@ -630,10 +649,11 @@ class Engine:
         """The ids the device steps stop feeding a row at (at most STOP_SLOTS)."""
         return sorted(stop_set(self.cfg, r.params.stop_tokens))[:STOP_SLOTS]
 
-    def _speculate(self, running):
-        """One draft-verify-commit cycle for the decoding rows, or None when the controller chose
-        depth 0 or no row has a draft (plain decode steps then run)."""
-        k = self.spec.choose([r.id for r in running])
+    def _speculate(self, running, k=None):
+        """One draft-verify-commit cycle for the decoding rows at depth k (None: the controller
+        chooses), or None when that is 0 or no row has a draft (plain decode steps then run)."""
+        if k is None:
+            k = self.spec.choose([r.id for r in running])
         if k == 0:
             return None
         rows = {}

@@ -261,3 +261,21 @@ def test_drafters_read_the_sequence_in_place():
         assert len(view) == len(seq) + 1 and view[-1] == 7
     with pytest.raises(IndexError, match="out of a sequence"):
         view[len(view)]
+
+
+def test_plain_calls_queue_ahead_while_speculation_is_off(model):
+    """Where the controller turns speculation off (no drafts on random text), plain decode calls
+    are queued ahead of the host as without speculation, and the tokens stay plain decoding's."""
+    rng = np.random.RandomState(5)
+    prompts = [list(map(int, rng.randint(0, 256, 20))) for _ in range(3)]
+    params = SamplingParams(max_new_tokens=60, stop_tokens=())
+    want = Engine(model, **SHAPE).generate(prompts, params=[params] * 3)
+    eng = Engine(model, **SHAPE, speculative="ngram")
+    for p in prompts:
+        eng.submit(p, params)
+    ahead = 0
+    while eng.has_work():
+        eng.step()
+        ahead += eng._pending is not None
+    assert [list(r.output) for r in sorted(eng.done, key=lambda r: r.submitted)] == want
+    assert eng.stats()["spec_depth"] == 0 and ahead >= 3
