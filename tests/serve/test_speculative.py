@@ -263,19 +263,24 @@ def test_drafters_read_the_sequence_in_place():
         view[len(view)]
 
 
-def test_plain_calls_queue_ahead_while_speculation_is_off(model):
-    """Where the controller turns speculation off (no drafts on random text), plain decode calls
-    are queued ahead of the host as without speculation, and the tokens stay plain decoding's."""
+def test_plain_calls_queue_ahead_while_speculation_is_off(model, monkeypatch):
+    """Where the controller keeps speculation off (depth 0: its choice is pinned here, as wall-clock
+    timings decide it), plain decode calls are queued ahead of the host as without speculation,
+    each still chosen and timed, and the tokens stay plain decoding's."""
     rng = np.random.RandomState(5)
     prompts = [list(map(int, rng.randint(0, 256, 20))) for _ in range(3)]
     params = SamplingParams(max_new_tokens=60, stop_tokens=())
     want = Engine(model, **SHAPE).generate(prompts, params=[params] * 3)
+    chosen = []
+    monkeypatch.setattr(Speculator, "choose", lambda self, keys: chosen.append(len(keys)) or 0)
     eng = Engine(model, **SHAPE, speculative="ngram")
     for p in prompts:
         eng.submit(p, params)
-    ahead = 0
+    ahead = steps = 0
     while eng.has_work():
         eng.step()
+        steps += 1
         ahead += eng._pending is not None
     assert [list(r.output) for r in sorted(eng.done, key=lambda r: r.submitted)] == want
-    assert eng.stats()["spec_depth"] == 0 and ahead >= 3
+    assert ahead >= 3 and len(chosen) <= steps  # one choice a cycle
+    assert (4, 0) in eng.spec.cycle_s  # plain calls timed, queued ones included
