@@ -579,13 +579,18 @@ class Engine:
     def _step_pending(self):
         """Collect the decode call dispatched ahead, first dispatching the next one behind it when
         nothing needs the host in between, so the device never waits for this host work."""
+        return self._collect(chain=True)
+
+    def _collect(self, chain: bool):
+        """Read the queued call (dispatching the next behind it first if `chain` and nothing
+        needs the host in between) and apply it."""
         call, self._pending = self._pending, None
         rows = [r for r in call.rows if r.finished is None]
         with mesh_context(self.mesh):
-            if self._spec_stays_off(rows) and self._chainable(call):
+            if chain and self._spec_stays_off(rows) and self._chainable(call):
                 self._pending = self._chain(call)
             sampled, n_new, lp = call.results()
-        if self.spec is not None:  # a queued call's wall time is the interval between step ends
+        if chain and self.spec is not None:  # a queued call's wall time is the interval between step ends
             self.spec.timed(len(rows) or 1, 0, (time.perf_counter() - self._step_end) / call.steps,
                             program=("plain", call.steps))
         return self._apply(rows, sampled, n_new, lp, False)
@@ -638,12 +643,7 @@ class Engine:
     def drain(self) -> list[tuple[Request, list[int]]]:
         """Collect a decode call dispatched ahead, dispatching nothing more (step() does that in
         its turn); returns its events."""
-        if self._pending is None:
-            return []
-        call, self._pending = self._pending, None
-        with mesh_context(self.mesh):
-            sampled, n_new, lp = call.results()
-        return self._apply([r for r in call.rows if r.finished is None], sampled, n_new, lp, False)
+        return [] if self._pending is None else self._collect(chain=False)
 
     def _stop_ids(self, r: Request) -> list[int]:
         """The ids the device steps stop feeding a row at (at most STOP_SLOTS)."""
