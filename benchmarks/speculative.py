@@ -16,7 +16,7 @@ Outputs with speculation should equal plain decoding's (same seeds); the rows th
 where, are recorded (on the GPU the verify pass's kernels round differently from the decode
 step's, so a near-tie can flip a greedy choice).
 
-    python -m benchmarks speculative [--batches 1,16,64] [--new-tokens 192]
+    python -m benchmarks speculative [--batches 1,16,64] [--new-tokens 192] [--workloads random]
     python -m benchmarks speculative --smoke     # CPU: the tiny preset
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 import kimik3
 from serve import Engine, SamplingParams
 from serve.drafters import ModelDrafter
-from .common import ints_arg
+from .common import choices_arg, ints_arg
 from .k3_slice import k3_slice
 
 
@@ -38,6 +38,11 @@ def add_args(p):
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per row (default 192)")
     p.add_argument("--prompt-len", type=int, default=None, help="length of P (default 128; smoke 24)")
     p.add_argument("--depth", type=int, default=12, help="layers of the K3 slice")
+    p.add_argument("--workloads", type=choices_arg(*WORKLOADS), default=list(WORKLOADS),
+                   help=f"which workloads to run, of {','.join(WORKLOADS)} (default both)")
+
+
+WORKLOADS = ("copy", "random")
 
 
 class FreeTargetDrafter(ModelDrafter):
@@ -115,5 +120,5 @@ def run(rec, args):
     rec.details.update(model=model.cfg.name, new_tokens=n_new, prompt_len=plen)
     rng = np.random.RandomState(0)
     for B in batches:
-        for workload in ("copy", "random"):
+        for workload in args.workloads:
             rec.guard(f"B{B} {workload}", case, rec, model, B, workload, n_new, plen, rng)

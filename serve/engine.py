@@ -261,6 +261,7 @@ class Engine:
         self._pending: DecodeCall | None = None  # a decode call dispatched ahead of the host
         self._step_end = time.perf_counter()
         self._spec_next = None  # a depth speculation's controller chose while a call was queued
+        self.closed = False
         self.prefix = (PrefixCache(self, cache_block, device_cache_bytes, host_cache_bytes, checkpoint_interval)
                        if prefix_cache else None)
         self.spec = None if speculative is None else Speculator(speculative, num_speculative_tokens)
@@ -277,6 +278,8 @@ class Engine:
 
     def _request(self, prompt, params: SamplingParams | None, request_id, index: int = 0) -> Request:
         """A checked request, not yet queued."""
+        if self.closed:
+            raise RuntimeError("this Engine was closed (Engine.close): build a new one to run more requests")
         params = params or SamplingParams()
         params.check(self.cfg.vocab_size)
         tok = text_tokenizer(self.cfg, self.tokenizer)
@@ -305,6 +308,23 @@ class Engine:
                 break
         self._finish(req, "abort")
         return True
+
+    def close(self):
+        """Free the engine's device and host memory now: its cache, the call queued ahead, the
+        prefix cache's checkpoints and host tier. An engine sits in reference cycles (its prefix
+        cache points back at it), so dropping the last name of one frees nothing until Python's
+        collector runs: a sweep building an engine per run held every earlier run's cache. Requests
+        still in flight end with finish_reason "abort"; the engine takes no more work."""
+        for req in list(self.waiting) + self.running:
+            self.abort(req)
+        self._pending = self.prefix = self.layers = None
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     @property
     def running(self) -> list[Request]:
@@ -451,6 +471,8 @@ class Engine:
         """Collect one device call; returns (request, new tokens) for every request that produced
         any. In steady decode the next call is already queued on the device when this returns
         (its tokens come with the next step)."""
+        if self.closed:
+            raise RuntimeError("this Engine was closed (Engine.close): build a new one to run more requests")
         try:
             return self._step_pending() if self._pending is not None else self._step()
         finally:
@@ -551,7 +573,10 @@ class Engine:
         if self.spec is not None and not prefilling:
             # a plain call is depth 0's per-token cost; a depth-k cycle that found no draft is
             # what depth k costs while drafts are missing
-            self.spec.timed(len(running), undrafted, clock.seconds / steps, program=("plain", steps))
+            if undrafted:
+                self.spec.timed_undrafted(len(running), undrafted, clock.seconds, program=("plain", steps))
+            else:
+                self.spec.timed(len(running), 0, clock.seconds / steps, program=("plain", steps))
         self._reset[:] = False
         return self._apply(running, sampled, n_new, lp, prefilling)
 

@@ -221,6 +221,7 @@ def run_replay(sessions: list[Session], *, engine_factory=None, url: str | None 
                                          time_scale)
         finally:
             aengine.close()
+            engine.close()  # now: the next run's engine must not find this one's cache still held
         return summarize(records, wall, devices or (mesh.size if mesh is not None else 1))
 
     return asyncio.run(_report(sessions, one, concurrencies, target, block_size, plot, "in-process engine"))

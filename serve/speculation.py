@@ -10,7 +10,8 @@ pass. So the controller measures both sides and chooses the depth that maximises
   and of one plain decode token (depth 0: speculation off).
 Plain decoding is timed first; a depth not yet timed is costed optimistically (one plain token a
 cycle), so it is tried only while acceptance could make it pay (the first call of each depth
-compiles and is not timed). Each cycle runs the best estimate, and every `explore_every` cycles
+compiles and is not timed). A cycle in which no row has a draft runs one plain token, which is
+what every depth costs while the drafter finds nothing: it times all the depths not yet timed. Each cycle runs the best estimate, and every `explore_every` cycles
 the least recently timed depth is re-timed so that the estimates follow the load.
 """
 from __future__ import annotations
@@ -95,7 +96,23 @@ class Speculator:
         if program not in self.compiled:  # jitted shapes span all slots: one compile per program
             self.compiled.add(program)
             return
-        key = (_size_class(rows), depth)
+        self._record(_size_class(rows), depth, seconds)
+
+    def timed_undrafted(self, rows: int, depth: int, seconds: float, program):
+        """A depth-`depth` cycle in which no row had a draft ran one plain token instead: what
+        that depth costs while drafts are missing. The other depths not yet timed at this size
+        would have run the same call, so it times them too: one such cycle, not one per depth,
+        shows that speculation does not pay while the drafter finds nothing."""
+        if program not in self.compiled:
+            self.compiled.add(program)
+            return
+        cls = _size_class(rows)
+        for k in self.depths:
+            if k == depth or (k and (cls, k) not in self.cycle_s):
+                self._record(cls, k, seconds)
+
+    def _record(self, cls: int, depth: int, seconds: float):
+        key = (cls, depth)
         old = self.cycle_s.get(key)
         self.cycle_s[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
         self.last_timed[key] = self.cycles

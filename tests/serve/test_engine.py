@@ -1,4 +1,7 @@
 """The serving engine: batching is invisible, pages never leak, preemption recomputes exactly."""
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -232,3 +235,28 @@ def test_no_call_queues_ahead_where_the_host_must_decide(model):
         eng.step()
         assert eng._pending is None or not eng.waiting and not any(r.params.stop_strings for r in eng.running)
 
+
+
+def test_close_frees_the_cache_at_once_and_ends_what_was_in_flight(model):
+    """An engine sits in reference cycles (its prefix cache points back at it): without close()
+    its cache would wait for Python's collector, which a sweep building one engine a run outpaced."""
+    gc.disable()
+    try:
+        eng = Engine(model, max_batch=2, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=2)
+        running = eng.submit([1, 2, 3], SamplingParams(max_new_tokens=20, stop_tokens=()))
+        while len(running.output) < 3:
+            eng.step()
+        waiting = eng.submit([4, 5], SamplingParams(max_new_tokens=4))
+        cache = weakref.ref(next(c["latent"] for c in eng.layers if "latent" in c))
+        eng.close()
+        assert cache() is None  # freed now, not at the next collection
+        assert (running.finish_reason, waiting.finish_reason) == ("abort", "abort")
+        assert not eng.has_work()
+        for use in (lambda: eng.submit([1]), eng.step):
+            with pytest.raises(RuntimeError, match="closed"):
+                use()
+    finally:
+        gc.enable()
+    with Engine(model, max_batch=1, max_seq_len=32, page_size=8) as eng:
+        assert eng.generate([[1, 2]], max_new_tokens=2)[0]
+    assert eng.closed

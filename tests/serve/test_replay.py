@@ -1,7 +1,9 @@
 """Agentic session replay: trace format, synthetic prefixes that follow the block hashes, the
 coding-agent generator, the sweep's figure, and `kimik3 replay` on the tiny model in-process and
 over HTTP giving the same token counts."""
+import gc
 import json
+import weakref
 
 import pytest
 
@@ -12,7 +14,7 @@ from kimik3.tokenizer import default_tokenizer
 from serve.agentic_trace import coding_agent_sessions, prefix_reuse, prompt_tokens, read_trace, write_trace
 from serve.async_engine import AsyncEngine
 from serve.cli import main
-from serve.replay import throughput_at_target
+from serve.replay import run_replay, throughput_at_target
 from serve.server import ServerThread, build_app
 
 SMALL = dict(sessions=2, turns=2, system_tokens=32, user_tokens=8, tool_tokens=8, output_tokens=4, block_size=16)
@@ -102,3 +104,25 @@ def test_replay_in_process_and_over_http_count_the_same_tokens(tmp_path):
         with open(r["sweep"]["plot"], "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert a["replayed_against"] == "in-process engine" and b["replayed_against"].startswith("server http://")
+
+
+def test_each_run_of_a_sweep_frees_its_engine_before_the_next():
+    """Every run builds its own engine; the last one's cache must be gone when the next is built
+    (on an 80 GB GPU two 32 GB caches did not fit), without waiting for the garbage collector."""
+    model = kimik3.init(kimik3.Config.preset("tiny"), seed=0)
+    engines = []  # (a step replaces the cache arrays, so the engines are what is watched)
+    freed = lambda ref: ref() is None or ref().layers is None
+
+    def engine():
+        assert all(freed(e) for e in engines), "an earlier run's cache is still held"
+        eng = Engine(model, max_batch=4, max_seq_len=128, page_size=8, prefill_chunk=32, decode_steps=2)
+        engines.append(weakref.ref(eng))
+        return eng
+
+    gc.disable()
+    try:
+        report = run_replay(coding_agent_sessions(**SMALL), engine_factory=engine, concurrencies=[1, 2])
+    finally:
+        gc.enable()
+    assert len(engines) == 3 and freed(engines[-1])
+    assert [p["requests"] for p in report["sweep"]["points"]] == [4, 4]
