@@ -286,3 +286,30 @@ def test_plain_calls_queue_ahead_while_speculation_is_off(model, monkeypatch):
     assert [list(r.output) for r in sorted(eng.done, key=lambda r: r.submitted)] == want
     assert ahead >= 3 and len(chosen) <= steps  # one choice a cycle
     assert (4, 0) in eng.spec.cycle_s  # plain calls timed, queued ones included
+
+
+def test_ngram_index_equals_a_plain_search_as_the_sequence_grows():
+    """The drafter's index (hashed n-grams, extended in numpy) proposes what a plain search for the
+    latest earlier occurrence of the longest suffix proposes, as tokens arrive one or several at a
+    time and when a request restarts shorter than what was indexed."""
+    def plain(seq, k, lo, hi):
+        for n in range(min(hi, len(seq) - 1), lo - 1, -1):
+            ends = [e for e in range(n, len(seq)) if seq[e - n:e] == seq[-n:]]
+            if ends:
+                return seq[ends[-1]:ends[-1] + k]
+        return []
+
+    rng = np.random.RandomState(0)
+    for lo, hi in ((2, 4), (1, 3), (3, 3)):
+        d = NgramDrafter(min_n=lo, max_n=hi)
+        for trial in range(40):
+            seq = list(map(int, rng.randint(0, 6, rng.randint(0, 30))))  # a small vocabulary repeats
+            for grown in range(7):
+                k = int(rng.randint(0, 5))
+                assert d.propose(trial, seq, k) == (plain(seq, k, lo, hi) if k and len(seq) > lo else []), (seq, k)
+                seq = seq + list(map(int, rng.randint(0, 6, rng.randint(1, 4))))
+            seq = seq[:rng.randint(0, len(seq))]  # restarted, shorter than what was indexed
+            assert d.propose(trial, seq, 3) == (plain(seq, 3, lo, hi) if len(seq) > lo else []), seq
+    vocab = 163840  # K3's: token ids that fill 18 bits
+    seq = list(map(int, rng.randint(0, vocab, 500))) * 2
+    assert NgramDrafter().propose("k3", seq, 7) == seq[500:507]
