@@ -29,6 +29,7 @@ import numpy as np
 import kimik3
 from serve import Engine, SamplingParams
 from serve.drafters import ModelDrafter
+from serve.launch import settle_heap
 from .common import choices_arg, ints_arg
 from .k3_slice import k3_slice
 
@@ -117,6 +118,7 @@ def run(rec, args):
     n_new = args.new_tokens or (24 if smoke else 192)
     plen = args.prompt_len or (24 if smoke else 128)
     model = kimik3.init(k3_slice(args.depth, smoke), seed=0)
+    settle_heap()  # as the server does after loading: the drafters' indexes then trigger no full collections
     rec.details.update(model=model.cfg.name, new_tokens=n_new, prompt_len=plen)
     rng = np.random.RandomState(0)
     for B in batches:
