@@ -37,7 +37,7 @@ from .cache_budget import plan_cache
 from .pages import PageAllocator
 from .prefix_cache import CACHE, PrefixCache
 from .speculation import Speculator, Stopwatch
-from .steps import decode_steps, mixed_step, verify_step
+from .steps import compiled_programs, decode_steps, mixed_step, verify_step
 
 
 @dataclasses.dataclass
@@ -574,9 +574,9 @@ class Engine:
             # a plain call is depth 0's per-token cost; a depth-k cycle that found no draft is
             # what depth k costs while drafts are missing
             if undrafted:
-                self.spec.timed_undrafted(len(running), undrafted, clock.seconds, program=("plain", steps))
+                self.spec.timed_undrafted(len(running), undrafted, clock.seconds, clock.compiled)
             else:
-                self.spec.timed(len(running), 0, clock.seconds / steps, program=("plain", steps))
+                self.spec.timed(len(running), 0, clock.seconds / steps, clock.compiled)
         self._reset[:] = False
         return self._apply(running, sampled, n_new, lp, prefilling)
 
@@ -611,13 +611,14 @@ class Engine:
         needs the host in between) and apply it."""
         call, self._pending = self._pending, None
         rows = [r for r in call.rows if r.finished is None]
+        programs = compiled_programs()
         with mesh_context(self.mesh):
             if chain and self._spec_stays_off(rows) and self._chainable(call):
                 self._pending = self._chain(call)
             sampled, n_new, lp = call.results()
         if chain and self.spec is not None:  # a queued call's wall time is the interval between step ends
             self.spec.timed(len(rows) or 1, 0, (time.perf_counter() - self._step_end) / call.steps,
-                            program=("plain", call.steps))
+                            compiled_programs() > programs)
         return self._apply(rows, sampled, n_new, lp, False)
 
     def _spec_stays_off(self, rows) -> bool:
@@ -722,7 +723,7 @@ class Engine:
                 backend=self.backend, dcp_axes=self.dcp_axes, logprobs=want_lp)
             samples, accepted = np.asarray(samples), np.asarray(accepted)
             lp = lp and tuple(np.asarray(a) for a in lp)
-        self.spec.timed(len(running), k, clock.seconds)
+        self.spec.timed(len(running), k, clock.seconds, clock.compiled)
         events = []
         for r in running:
             s = r.slot

@@ -10,7 +10,7 @@ pass. So the controller measures both sides and chooses the depth that maximises
   and of one plain decode token (depth 0: speculation off).
 Plain decoding is timed first; a depth not yet timed is costed optimistically (one plain token a
 cycle), so it is tried only while acceptance could make it pay (the first call of each depth
-compiles and is not timed). A cycle in which no row has a draft runs one plain token, which is
+compiles and is not timed: any call that compiles is not). A cycle in which no row has a draft runs one plain token, which is
 what every depth costs while the drafter finds nothing: it times all the depths not yet timed. Each cycle runs the best estimate, and every `explore_every` cycles
 the least recently timed depth is re-timed so that the estimates follow the load.
 """
@@ -22,6 +22,7 @@ import time
 from kimik3.model import Model
 
 from .drafters import ModelDrafter, NgramDrafter
+from .steps import compiled_programs
 
 log = logging.getLogger("kimik3.serve.speculation")
 
@@ -53,7 +54,6 @@ class Speculator:
                              "(a verify pass takes at most 8 tokens a row)")
         self.drafter, self.explore_every = drafter, explore_every
         self.cycle_s: dict = {}  # (size class, depth) -> EMA seconds of a cycle (depth 0: a token)
-        self.compiled: set = set()
         self.last_timed: dict = {}
         self.cycles = 0
         self.depth = self.depths[0]
@@ -89,22 +89,18 @@ class Speculator:
         self.depth = choice
         return choice
 
-    def timed(self, rows: int, depth: int, seconds: float, program=None):
-        """Record a cycle's wall time (for depth 0: per decode token). `program` names the device
-        program that ran (default: the depth's verify); its first call compiles and is not timed."""
-        program = depth if program is None else program
-        if program not in self.compiled:  # jitted shapes span all slots: one compile per program
-            self.compiled.add(program)
-            return
-        self._record(_size_class(rows), depth, seconds)
+    def timed(self, rows: int, depth: int, seconds: float, compiled: bool = False):
+        """Record a cycle's wall time (for depth 0: per decode token); a call that `compiled` a
+        program (Stopwatch.compiled) is not timed."""
+        if not compiled:
+            self._record(_size_class(rows), depth, seconds)
 
-    def timed_undrafted(self, rows: int, depth: int, seconds: float, program):
+    def timed_undrafted(self, rows: int, depth: int, seconds: float, compiled: bool = False):
         """A depth-`depth` cycle in which no row had a draft ran one plain token instead: what
         that depth costs while drafts are missing. The other depths not yet timed at this size
         would have run the same call, so it times them too: one such cycle, not one per depth,
         shows that speculation does not pay while the drafter finds nothing."""
-        if program not in self.compiled:
-            self.compiled.add(program)
+        if compiled:
             return
         cls = _size_class(rows)
         for k in self.depths:
@@ -147,9 +143,14 @@ class Speculator:
 
 
 class Stopwatch:
+    """Wall time of a block of engine calls, and whether any of them compiled a program (the
+    jitted steps' program count grew): a compile's time says nothing about a cycle's."""
+
     def __enter__(self):
+        self.programs = compiled_programs()
         self.t = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.t
+        self.compiled = compiled_programs() > self.programs

@@ -104,3 +104,11 @@ def verify_step(model: Model, layers, tokens, start, n_new, page_table, seeds, g
     layers = tuple(e if "latent" in e else keep_positions(e, keep) for e in layers)
     return samples, accepted, lp, layers
 
+
+def compiled_programs() -> int:
+    """How many programs the jitted steps hold: a call that raises the count traced and compiled
+    one (or loaded it from the compilation cache), so its wall time is not a step's. The count is
+    the jit dispatch caches' (process-wide), so a fresh engine whose shapes ran before compiles
+    nothing and is timed from its first call."""
+    return sum(f._cache_size() for f in (mixed_step, decode_steps, verify_step))
+

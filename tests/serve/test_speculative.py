@@ -161,8 +161,8 @@ def test_ngram_drafter_finds_the_latest_repeat():
 def test_depth_controller_maximises_committed_tokens_per_second():
     s = Speculator("ngram", "auto")
     keys = ["a", "b"]
-    for k in s.depths:  # compile calls are not timed
-        s.timed(2, k, 100.0)
+    for k in s.depths:  # calls that compile are not timed
+        s.timed(2, k, 100.0, compiled=True)
     for _ in range(20):
         s.record("a", 10, 9)
         s.record("b", 10, 9)
@@ -181,17 +181,17 @@ def test_depth_controller_turns_itself_off_when_nothing_is_drafted():
     # (after the one that compiles it) turns speculation off, not one per depth
     s = Speculator("ngram", "auto")
     assert s.choose(["a"]) == 0  # plain decoding is timed first
-    s.timed(1, 0, 1.0, program=("plain", 4))  # compiles: not timed
-    s.timed(1, 0, 0.010, program=("plain", 4))
+    s.timed(1, 0, 1.0, compiled=True)  # not timed
+    s.timed(1, 0, 0.010)
     chosen = []
     for _ in range(60):
         k = s.choose(["a"])
         chosen.append(k)
         if k:
             s.record("a", 0, 0, offered=k)
-            s.timed_undrafted(1, k, 0.015, program=("plain", 1))
+            s.timed_undrafted(1, k, 0.015, compiled=not any(chosen[:-1]))  # its first call compiles
         else:
-            s.timed(1, 0, 0.010, program=("plain", 4))
+            s.timed(1, 0, 0.010)
     assert chosen[:2] == [7, 7] and chosen[2:] == [0] * 58, chosen  # the deepest looks best untimed
     assert {k: round(t, 3) for (_, k), t in s.cycle_s.items()} == {0: 0.010, 2: 0.015, 4: 0.015, 7: 0.015}
     assert s.stats()["spec_draft_tokens"] == 0
@@ -313,3 +313,25 @@ def test_ngram_index_equals_a_plain_search_as_the_sequence_grows():
     vocab = 163840  # K3's: token ids that fill 18 bits
     seq = list(map(int, rng.randint(0, vocab, 500))) * 2
     assert NgramDrafter().propose("k3", seq, 7) == seq[500:507]
+
+
+def test_only_calls_that_compile_go_untimed(model):
+    """The controller leaves out of its cycle times exactly the calls that compiled a program: the
+    first engine of some shapes compiles its first decode call, a second engine of the same shapes
+    (a new server, a new benchmark run) compiles nothing and is timed from its first call."""
+    kw = dict(max_batch=3, max_seq_len=88, page_size=8, prefill_chunk=8, decode_steps=3, speculative="ngram",
+              prefix_cache=False)  # shapes no other test runs: the first engine compiles here
+    prompts = [list(range(i, i + 8)) for i in (1, 20, 40)]
+
+    def first_decode_call_timed(eng):
+        reqs = [eng.submit(p, SamplingParams(max_new_tokens=12, stop_tokens=())) for p in prompts]
+        while not all(r.output for r in reqs):  # the prefill call samples each row's first token
+            eng.step()
+        eng.step()
+        timed = (4, 0) in eng.spec.cycle_s  # 3 rows: size class 4, depth 0
+        while eng.has_work():
+            eng.step()
+        return timed
+
+    assert not first_decode_call_timed(Engine(model, **kw))
+    assert first_decode_call_timed(Engine(model, **kw))
