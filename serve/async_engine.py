@@ -26,7 +26,8 @@ import traceback
 
 from sharding.distributed import announce_failure
 
-from .engine import Engine, Request, SamplingParams
+from .engine import Engine
+from .request import Request, SamplingParams
 
 STOP = {"ops": [], "stop": True}
 STATS_EVERY_S = 0.5  # how stale AsyncEngine.stats() may be while the engine is busy

@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from sharding.distributed import Messages, broadcast_json, is_primary
 
-from .engine import Engine, SamplingParams
+from .engine import Engine
+from .request import SamplingParams
 from .engine_stats import merge_stats
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")

@@ -16,12 +16,10 @@ speculation) it reads each call before dispatching the next.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,133 +35,9 @@ from .cache_budget import plan_cache
 from .pages import PageAllocator
 from .prefix_cache import CACHE, PrefixCache
 from .speculation import Speculator, Stopwatch
-from .steps import compiled_programs, decode_steps, mixed_step, verify_step
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_tokens: tuple | None = None  # None: the model's EOS
-    stop_strings: tuple = ()
-    return_logprobs: bool = False  # fill Request.logprobs / top_logprobs as tokens are accepted
-    top_logprobs: int = 0  # alternatives per token with return_logprobs (<= kimik3.sampling.MAX_TOP_LOGPROBS)
-
-    def check(self, vocab_size=None):
-        """The same rules as kimik3.generate's (kimik3.sampling.check_sampling)."""
-        check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed, self.stop_tokens,
-                       self.stop_strings, self.top_logprobs, vocab_size)
-
-
-class SequenceView(Sequence):
-    """A request's sequence (prompt, then output) read in place: its length, an item and a slice
-    (step 1) copy only what they return; the request may grow between reads."""
-    __slots__ = ("_req",)
-
-    def __init__(self, req):
-        self._req = req
-
-    def __len__(self) -> int:
-        return self._req.seq_len
-
-    def __getitem__(self, i):
-        n = len(self)
-        if isinstance(i, slice):
-            start, stop, step = i.indices(n)
-            return self._req.tokens(start, max(start, stop)) if step == 1 else self._req.sequence[i]
-        j = i + n if i < 0 else i
-        if not 0 <= j < n:
-            raise IndexError(f"index {i} out of a sequence of {n} tokens")
-        prompt = self._req.prompt
-        return prompt[j] if j < len(prompt) else self._req.output[j - len(prompt)]
-
-
-@dataclasses.dataclass
-class Request:
-    id: object
-    prompt: list
-    params: SamplingParams
-    output: Completion = dataclasses.field(default_factory=Completion)  # the accepted tokens (a list)
-    slot: int | None = None
-    pages: list = dataclasses.field(default_factory=list)
-    fed: int = 0  # tokens of prompt + output already in the cache
-    submitted: float = 0.0
-    first_token: float | None = None
-    finished: float | None = None
-    finish_reason: str | None = None
-    preemptions: int = 0
-    text: str | None = None
-    prefix_hit_tokens: int | None = None  # prompt tokens restored from the prefix cache at admission
-    prefix: object = None  # its place in the prefix cache while it holds a slot
-    waits_for: tuple | None = None  # (running request, position) whose prefill it waits for, queued
-    cache_ahead: bool = False  # aborted while a chained decode call fed it: its state is past `fed`
-
-    @property
-    def logprobs(self) -> list[float] | None:
-        """With params.return_logprobs: each accepted token's log-probability, as accepted."""
-        return self.output.logprobs
-
-    @property
-    def top_logprobs(self) -> list[dict] | None:
-        """With params.return_logprobs: per accepted token {id: logprob} of the top_logprobs best."""
-        return self.output.top_logprobs
-
-    @property
-    def sequence(self):
-        """What the cache must hold before the next sample: prompt, then all but the newest output.
-        A new list each time: per-step code uses seq_len and tokens() (a long context's copy per
-        request per step was host time the device waited for)."""
-        return self.prompt + self.output
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    def view(self) -> "SequenceView":
-        """The sequence read in place (the drafters' input: no copy of a long context a cycle)."""
-        return SequenceView(self)
-
-    def tokens(self, start: int, end: int) -> list:
-        """sequence[start:end], copying only that span."""
-        n = len(self.prompt)
-        if end <= n:
-            return self.prompt[start:end]
-        if start >= n:
-            return self.output[start - n:end - n]
-        return self.prompt[start:] + self.output[:end - n]
-
-    @property
-    def metrics(self) -> dict:
-        ttft = None if self.first_token is None else self.first_token - self.submitted
-        n = len(self.output)
-        span = (self.finished or time.perf_counter()) - (self.first_token or self.submitted)
-        return {"prompt_tokens": len(self.prompt), "output_tokens": n, "ttft_s": ttft,
-                "decode_tokens_per_s": (n - 1) / span if n > 1 and span > 0 else None,
-                "preemptions": self.preemptions, "prefix_hit_tokens": self.prefix_hit_tokens or 0}
-
-
-STOP_SLOTS = 8  # stop tokens the decode loop checks on device (past that, the host still stops)
-
-
-@dataclasses.dataclass
-class DecodeCall:
-    """A dispatched decode_steps call: its rows, its device outputs (sampled, fed, logprobs), the
-    carry a chained call starts from, and the host inputs a chained call reuses."""
-    rows: list
-    steps: int
-    outs: list
-    carry: tuple
-    common: dict
-    stops: np.ndarray
-    limit: np.ndarray
-
-    def results(self):
-        """(sampled [steps, B], fed [B], logprobs or None) on the host (waits for the device)."""
-        sampled, fed, lp = self.outs
-        return np.asarray(sampled), np.asarray(fed), lp and tuple(np.asarray(a) for a in lp)
+from .queued_decode import DecodeCall, QueuedDecode
+from .request import Request, SamplingParams
+from .steps import STOP_SLOTS, decode_steps, mixed_step, verify_step
 
 
 MIN_PREFILL_WIDTH = 64  # narrower calls are launch-bound: a few more widths would only add compiles
@@ -178,7 +52,7 @@ def prefill_widths(chunk: int) -> tuple[int, ...]:
     return tuple(widths)
 
 
-class Engine:
+class Engine(QueuedDecode):
     def __init__(self, model: Model, max_batch: int = 8, max_seq_len: int = 1024, page_size: int = 16,
                  num_pages: int | None = None, memory_budget_bytes: int | None = None,
                  prefill_chunk: int = 32, decode_steps: int = 4, tokenizer=None, backend=None,
@@ -599,77 +473,6 @@ class Engine:
             if kept or r.finished:
                 events.append((r, kept))
         return events
-
-    # ---- decode calls chained on device ----
-    def _step_pending(self):
-        """Collect the decode call dispatched ahead, first dispatching the next one behind it when
-        nothing needs the host in between, so the device never waits for this host work."""
-        return self._collect(chain=True)
-
-    def _collect(self, chain: bool):
-        """Read the queued call (dispatching the next behind it first if `chain` and nothing
-        needs the host in between) and apply it."""
-        call, self._pending = self._pending, None
-        rows = [r for r in call.rows if r.finished is None]
-        programs = compiled_programs()
-        with mesh_context(self.mesh):
-            if chain and self._spec_stays_off(rows) and self._chainable(call):
-                self._pending = self._chain(call)
-            sampled, n_new, lp = call.results()
-        if chain and self.spec is not None:  # a queued call's wall time is the interval between step ends
-            self.spec.timed(len(rows) or 1, 0, (time.perf_counter() - self._step_end) / call.steps,
-                            compiled_programs() > programs)
-        return self._apply(rows, sampled, n_new, lp, False)
-
-    def _spec_stays_off(self, rows) -> bool:
-        """With speculation, whether its controller keeps depth 0 for the next call (a depth it
-        chooses instead is kept for the step that runs it, so each cycle is chosen once)."""
-        if self.spec is None or not rows:
-            return True
-        self._spec_next = self.spec.choose([r.id for r in rows])
-        return self._spec_next == 0
-
-    def _chainable(self, call) -> bool:
-        """Whether the call after `call` can be dispatched before the host reads `call`: no
-        request is waiting to be admitted, every row's stop rules run on device (stop tokens that
-        fit STOP_SLOTS, no stop strings), some row will still be decoding after it, and the pages
-        the next call writes are free without preempting anyone. The host reads a row's state
-        after `call` (the prefix cache's checkpoints) only where the row ends exactly at its
-        sequence, which in decode means the device stopped feeding it: the next call leaves it
-        as it was."""
-        if self.waiting or any(r.cache_ahead for r in call.rows):  # an aborted row still feeds in `call`
-            return False
-        rows = [r for r in call.rows if r.finished is None]
-        if not any(r.params.max_new_tokens - len(r.output) > call.steps for r in rows):
-            return False
-        for r in rows:
-            if r.params.stop_strings or len(stop_set(self.cfg, r.params.stop_tokens)) > STOP_SLOTS:
-                return False
-        upto = {id(r): min(r.fed + 2 * call.steps, self.max_seq_len) for r in rows}
-        need = sum(max(0, math.ceil(upto[id(r)] / self.page_size) - len(r.pages)) for r in rows)
-        if need > self.available_pages():
-            return False
-        for r in rows:
-            got = self._ensure_pages(r, upto[id(r)])
-            assert got, "pages counted as available"
-        return True
-
-    def _chain(self, call) -> "DecodeCall":
-        """Dispatch the decode call that continues `call` from its device outputs."""
-        table = np.zeros_like(call.common["page_table"])
-        for r in call.rows:
-            if r.finished is None:
-                table[r.slot, :len(r.pages)] = r.pages
-        tokens, start, active, gen = call.carry
-        common = dict(call.common, page_table=table, gen_idx=gen)
-        *outs, carry, self.layers = decode_steps(self.model, self.layers, tokens, start, active, stops=call.stops,
-                                                 limit=call.limit, steps=call.steps, **common)
-        return DecodeCall(call.rows, call.steps, outs, carry, common, call.stops, call.limit)
-
-    def drain(self) -> list[tuple[Request, list[int]]]:
-        """Collect a decode call dispatched ahead, dispatching nothing more (step() does that in
-        its turn); returns its events."""
-        return [] if self._pending is None else self._collect(chain=False)
 
     def _stop_ids(self, r: Request) -> list[int]:
         """The ids the device steps stop feeding a row at (at most STOP_SLOTS)."""

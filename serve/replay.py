@@ -48,7 +48,7 @@ class InProcess:
         self.aengine = aengine
 
     async def complete(self, prompt: list[int], max_tokens: int, rec: Record):
-        from .engine import SamplingParams
+        from .request import SamplingParams
 
         stream = await self.aengine.submit(prompt, SamplingParams(max_new_tokens=max_tokens, stop_tokens=()))
         async for d in stream:

@@ -19,7 +19,7 @@ import threading
 from sharding.distributed import Messages
 
 from .async_engine import STOP, AsyncEngine, Delta, RequestStream, params_from_json
-from .engine import SamplingParams
+from .request import SamplingParams
 from .engine_stats import merge_stats
 
 
@@ -182,7 +182,7 @@ class Dispatcher:
         return out
 
     def stats(self) -> dict:
-        """Every replica's engine counters added up (serve.engine.merge_stats)."""
+        """Every replica's engine counters added up (serve.engine_stats.merge_stats)."""
         return merge_stats([s for s in (r.stats() for r in self.replicas) if s is not None])
 
     def close(self):

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kimik3.tokenizer import IncrementalDecoder
 
 from .async_engine import AsyncEngine, EngineStopped, QueueFull
-from .engine import SamplingParams
+from .request import SamplingParams
 
 
 class APIError(Exception):

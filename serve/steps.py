@@ -13,6 +13,9 @@ from kimik3.model import KimiLM, Model
 from kimik3.sampling import MAX_TOP_LOGPROBS, sample_step
 
 
+STOP_SLOTS = 8  # stop tokens the decode loop checks on device (past that, the host still stops)
+
+
 def _reset_rows(entry, reset):
     """Zero the KDA state / conv state of rows that start a new sequence (MLA pages need no
     reset: positions past a row's length are never read)."""

@@ -245,7 +245,7 @@ def test_drafters_read_the_sequence_in_place():
     and it follows the request as it grows."""
     import random
 
-    from serve.engine import Request
+    from serve.request import Request
 
     rng = random.Random(0)
     req = Request.__new__(Request)

@@ -1,0 +1,110 @@
+"""Decode calls queued on the device ahead of the host: in steady decode the next call starts
+from the last one's device outputs (each row's last token, position, sample count, and whether it
+still decodes), so the scheduler's work between calls overlaps the device instead of idling it.
+The Engine's part that decides when a call may be queued, dispatches it and collects it."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from kimik3.generation import stop_set
+from kimik3.runtime import mesh_context
+
+from .request import Request
+from .steps import STOP_SLOTS, compiled_programs, decode_steps
+
+
+@dataclasses.dataclass
+class DecodeCall:
+    """A dispatched decode_steps call: its rows, its device outputs (sampled, fed, logprobs), the
+    carry a chained call starts from, and the host inputs a chained call reuses."""
+    rows: list
+    steps: int
+    outs: list
+    carry: tuple
+    common: dict
+    stops: np.ndarray
+    limit: np.ndarray
+
+    def results(self):
+        """(sampled [steps, B], fed [B], logprobs or None) on the host (waits for the device)."""
+        sampled, fed, lp = self.outs
+        return np.asarray(sampled), np.asarray(fed), lp and tuple(np.asarray(a) for a in lp)
+
+
+class QueuedDecode:
+    """Engine methods for the decode call queued ahead (mixed into Engine: they use its slots,
+    pages, speculation controller and device cache)."""
+
+    def _step_pending(self):
+        """Collect the decode call dispatched ahead, first dispatching the next one behind it when
+        nothing needs the host in between, so the device never waits for this host work."""
+        return self._collect(chain=True)
+
+    def _collect(self, chain: bool):
+        """Read the queued call (dispatching the next behind it first if `chain` and nothing
+        needs the host in between) and apply it."""
+        call, self._pending = self._pending, None
+        rows = [r for r in call.rows if r.finished is None]
+        programs = compiled_programs()
+        with mesh_context(self.mesh):
+            if chain and self._spec_stays_off(rows) and self._chainable(call):
+                self._pending = self._chain(call)
+            sampled, n_new, lp = call.results()
+        if chain and self.spec is not None:  # a queued call's wall time is the interval between step ends
+            self.spec.timed(len(rows) or 1, 0, (time.perf_counter() - self._step_end) / call.steps,
+                            compiled_programs() > programs)
+        return self._apply(rows, sampled, n_new, lp, False)
+
+    def _spec_stays_off(self, rows) -> bool:
+        """With speculation, whether its controller keeps depth 0 for the next call (a depth it
+        chooses instead is kept for the step that runs it, so each cycle is chosen once)."""
+        if self.spec is None or not rows:
+            return True
+        self._spec_next = self.spec.choose([r.id for r in rows])
+        return self._spec_next == 0
+
+    def _chainable(self, call) -> bool:
+        """Whether the call after `call` can be dispatched before the host reads `call`: no
+        request is waiting to be admitted, every row's stop rules run on device (stop tokens that
+        fit STOP_SLOTS, no stop strings), some row will still be decoding after it, and the pages
+        the next call writes are free without preempting anyone. The host reads a row's state
+        after `call` (the prefix cache's checkpoints) only where the row ends exactly at its
+        sequence, which in decode means the device stopped feeding it: the next call leaves it
+        as it was."""
+        if self.waiting or any(r.cache_ahead for r in call.rows):  # an aborted row still feeds in `call`
+            return False
+        rows = [r for r in call.rows if r.finished is None]
+        if not any(r.params.max_new_tokens - len(r.output) > call.steps for r in rows):
+            return False
+        for r in rows:
+            if r.params.stop_strings or len(stop_set(self.cfg, r.params.stop_tokens)) > STOP_SLOTS:
+                return False
+        upto = {id(r): min(r.fed + 2 * call.steps, self.max_seq_len) for r in rows}
+        need = sum(max(0, math.ceil(upto[id(r)] / self.page_size) - len(r.pages)) for r in rows)
+        if need > self.available_pages():
+            return False
+        for r in rows:
+            got = self._ensure_pages(r, upto[id(r)])
+            assert got, "pages counted as available"
+        return True
+
+    def _chain(self, call) -> "DecodeCall":
+        """Dispatch the decode call that continues `call` from its device outputs."""
+        table = np.zeros_like(call.common["page_table"])
+        for r in call.rows:
+            if r.finished is None:
+                table[r.slot, :len(r.pages)] = r.pages
+        tokens, start, active, gen = call.carry
+        common = dict(call.common, page_table=table, gen_idx=gen)
+        *outs, carry, self.layers = decode_steps(self.model, self.layers, tokens, start, active, stops=call.stops,
+                                                 limit=call.limit, steps=call.steps, **common)
+        return DecodeCall(call.rows, call.steps, outs, carry, common, call.stops, call.limit)
+
+    def drain(self) -> list[tuple[Request, list[int]]]:
+        """Collect a decode call dispatched ahead, dispatching nothing more (step() does that in
+        its turn); returns its events."""
+        return [] if self._pending is None else self._collect(chain=False)
