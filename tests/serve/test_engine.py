@@ -7,6 +7,7 @@ import pytest
 
 import kimik3
 from serve import Engine, PageAllocator, SamplingParams
+from serve.steps import compiled_programs
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +127,11 @@ def test_engine_on_a_tp8_mesh_matches_one_device(tiny_greedy):
     placed = sharding.place_model(tiny_greedy.model, mesh)
     eng = Engine(placed, max_batch=4, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=3)
     assert eng.generate(tiny_greedy.prompts, max_new_tokens=8, stop_tokens=[]) == tiny_greedy.tokens
+    # steady state on the mesh compiles nothing more: the decode calls queued ahead start from
+    # the last call's sharded outputs, which must not make each chained call a new program
+    programs = compiled_programs()
+    eng.generate(_prompts(6, 3), max_new_tokens=11, temperature=0.5, stop_tokens=[])
+    assert compiled_programs() == programs
 
 
 def test_engine_with_decode_context_parallelism(tiny_greedy):
