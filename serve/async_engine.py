@@ -76,13 +76,17 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_waiting: int = 256, followers=None):
+    def __init__(self, engine: Engine, max_waiting: int = 256, followers=None, batch_window_s: float = 0.01):
         """max_waiting: submissions beyond this many queued (not yet running) requests raise
         QueueFull. followers: a sharding.distributed.Messages on process 0 of a multi-process
-        run (the other processes `follow` it)."""
+        run (the other processes `follow` it). batch_window_s: how long an idle engine woken by a
+        request may wait for the rest of a burst (see _gather_burst; 0: step at once)."""
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        if not 0 <= batch_window_s <= 1:
+            raise ValueError(f"batch_window_s must be in [0, 1] seconds, got {batch_window_s}")
         self.engine, self.max_waiting, self.followers = engine, max_waiting, followers
+        self.batch_window_s = batch_window_s
         self._ops: list = []  # what the followers must apply before the next step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -141,6 +145,7 @@ class AsyncEngine:
             if not eng.has_work():
                 self._refresh_stats()
                 self._wake.wait()
+                self._gather_burst()
                 continue
             if self.followers is not None:
                 self.followers.send({"ops": self._ops, "stop": False})
@@ -167,6 +172,20 @@ class AsyncEngine:
             self.on_fatal()
         elif self.followers is not None:
             self.followers.send(STOP)
+
+    def _gather_burst(self):
+        """An idle engine woken by a request waits for the rest of a burst before its first step:
+        until no request has come for a fifth of the window, at most the window. Clients that
+        send several requests at once reach the engine over a few milliseconds, and a request
+        that misses the first step waits a whole prefill step behind it (the step's programs span
+        every slot, so a lone row costs nearly what all of them do). A lone request pays the
+        quiet fifth."""
+        end, quiet = time.monotonic() + self.batch_window_s, self.batch_window_s / 5
+        while not self._stopping:
+            left = end - time.monotonic()
+            self._wake.clear()  # set again by the next command posted
+            if left <= 0 or not self._wake.wait(min(left, quiet)):
+                break
 
     def _refresh_stats(self):
         self._stats, self._stats_at = self.engine.stats(), time.monotonic()

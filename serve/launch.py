@@ -89,6 +89,9 @@ def add_parser(subparsers):
                    help="the model name clients send (default: the preset's name or the checkpoint directory's)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may queue for a decode slot; beyond it the server answers 503")
+    p.add_argument("--batch-window-ms", type=float, default=10.0,
+                   help="how long an idle engine woken by a request waits for the rest of a burst, so the "
+                        "burst prefills in one step (until 1/5 of it passes with no request; 0: step at once)")
     add_data_parallel_flag(p)  # process 0 serves HTTP and dispatches to the replicas
     add_process_flags(p)  # process 0 serves HTTP; the others step their engines with it
     p.set_defaults(run=_serve)
@@ -173,7 +176,8 @@ def _start_replicas(args, factory, mesh, AsyncEngine):
             follow(factory(r), followers)
             return None
         engines[index] = AsyncEngine(factory(r), max_waiting=args.max_waiting,
-                                     followers=followers if len(group) > 1 else None)
+                                     followers=followers if len(group) > 1 else None,
+                                     batch_window_s=args.batch_window_ms / 1e3)
     if me != 0:
         async def serve_all():
             await asyncio.gather(*(serve_replica(a, i, me) for i, a in engines.items()))

@@ -14,7 +14,7 @@ import pytest
 
 import kimik3
 from kimik3.tokenizer import ByteTokenizer
-from serve import Engine
+from serve import Engine, SamplingParams
 from serve.async_engine import AsyncEngine
 from serve.server import ServerThread, TextStream, build_app
 from tests.sharding.processes import cpu_env, finish, free_port, process_flags, wait_for_health
@@ -344,3 +344,37 @@ def test_text_stream_decoding_a_window_gives_the_text_of_decoding_everything():
             out.append(ts.push(ids[i:i + n], finished=i + n >= len(ids)))
             i += n
         assert "".join(out) == tok.decode(ids), trial
+
+
+def test_an_idle_engine_takes_a_burst_in_one_step(model):
+    """Requests reaching an idle engine a few ms apart start in one step (a request that missed
+    the first step would wait a whole prefill step behind it) and give the tokens they give alone."""
+    engine = Engine(model, **ENGINE_SHAPE)
+    first_step, step = [], engine.step
+
+    def recording():
+        if not first_step:
+            first_step.append(len(engine.running) + len(engine.waiting))
+        return step()
+
+    engine.step = recording
+    aengine = AsyncEngine(engine, batch_window_s=1.0)  # waits until 0.2 s pass with no request
+    prompts = _prompts(4, 11)
+
+    async def one(i, prompt):
+        await asyncio.sleep(0.02 if i else 0)  # the rest come 20 ms after the first
+        stream = await aengine.submit(prompt, SamplingParams(max_new_tokens=5, stop_tokens=()))
+        return [t async for delta in stream for t in delta.tokens]
+
+    async def burst():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    try:
+        outs = asyncio.run(burst())
+    finally:
+        aengine.close()
+    assert first_step == [4]
+    alone = Engine(model, **ENGINE_SHAPE).generate(prompts, max_new_tokens=5, stop_tokens=[])
+    assert outs == [list(c) for c in alone]
+    with pytest.raises(ValueError, match="batch_window_s"):
+        AsyncEngine(Engine(model, **ENGINE_SHAPE), batch_window_s=-1)
