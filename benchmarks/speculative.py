@@ -1,6 +1,6 @@
 """Speculative decoding (depth chosen by measured cycle time) against plain decoding on the K3
-slice: decode tokens/s per batch size on a copying workload and on a non-repetitive one, with the
-depth the controller settled on and the measurements behind it.
+slice (copy, random) and on the trained tiny-code model (code): decode tokens/s per batch size,
+with the depth the controller settled on and the measurements behind it.
 
 - copy: the answer repeats a span the drafter already has, as a code edit re-emits the code it
   edits. A random-weight model copies nothing on its own, so the drafts come from the target
@@ -12,11 +12,15 @@ depth the controller settled on and the measurements behind it.
   bound of what speculation gains on this model and device.
 - random: random prompts sampled at temperature 1 (a seed per row) with the n-gram drafter, which
   finds nothing to draft: the controller should turn speculation off, at little cost.
+- code: the trained tiny-code model (kimik3.load("tiny-code"), not the slice) re-emitting a span
+  of held-out standard-library code from its first line, greedy, with the n-gram drafter: a code
+  edit with a model whose choices are not near-ties, so acceptance is the drafts' and the model's
+  own (a random-weight model's verify pass flips near-ties its decode step does not).
 Outputs with speculation should equal plain decoding's (same seeds); the rows that differ, and
 where, are recorded (on the GPU the verify pass's kernels round differently from the decode
 step's, so a near-tie can flip a greedy choice).
 
-    python -m benchmarks speculative [--batches 1,16,64] [--new-tokens 192] [--workloads random]
+    python -m benchmarks speculative [--batches 1,16,64] [--new-tokens 192] [--workloads random,code]
     python -m benchmarks speculative --smoke     # CPU: the tiny preset
 """
 from __future__ import annotations
@@ -27,6 +31,8 @@ import jax
 import numpy as np
 
 import kimik3
+from kimik3 import stdlib_corpus
+from kimik3.tokenizer import default_tokenizer
 from serve import Engine, SamplingParams
 from serve.drafters import ModelDrafter
 from serve.launch import settle_heap
@@ -40,10 +46,24 @@ def add_args(p):
     p.add_argument("--prompt-len", type=int, default=None, help="length of P (default 128; smoke 24)")
     p.add_argument("--depth", type=int, default=12, help="layers of the K3 slice")
     p.add_argument("--workloads", type=choices_arg(*WORKLOADS), default=list(WORKLOADS),
-                   help=f"which workloads to run, of {','.join(WORKLOADS)} (default both)")
+                   help=f"which workloads to run, of {','.join(WORKLOADS)} (default all)")
 
 
-WORKLOADS = ("copy", "random")
+WORKLOADS = ("copy", "random", "code")
+EDIT_CUE = "\n\n# the same code, edited:\n"
+
+
+def code_edit_prompts(model, n: int, span: int) -> list[list[int]]:
+    """n prompts: `span` bytes of a held-out stdlib file, a cue, then the span's first 80 bytes
+    again (the model continues re-emitting it)."""
+    tok = default_tokenizer(model.cfg)
+    held = stdlib_corpus.split_files()[1]
+    prompts = []
+    for i in range(n):
+        src = stdlib_corpus.read_bytes(held[i % len(held)]).decode(errors="replace")
+        body = src[len(src) // 3:len(src) // 3 + span]
+        prompts.append(tok.encode(body + EDIT_CUE + body[:80], add_bos=True))
+    return prompts
 
 
 class FreeTargetDrafter(ModelDrafter):
@@ -84,9 +104,13 @@ def divergence(a, b):
 
 def case(rec, model, B, workload, n_new, plen, rng):
     V = model.cfg.vocab_size
-    prompts = [list(map(int, rng.randint(0, V, plen))) for _ in range(B)]
-    max_len = plen + n_new + 64
-    if workload == "copy":
+    prompts = (code_edit_prompts(model, B, 4 * plen) if workload == "code"
+               else [list(map(int, rng.randint(0, V, plen))) for _ in range(B)])
+    max_len = max(map(len, prompts)) + n_new + 64
+    if workload == "code":
+        params = [SamplingParams(max_new_tokens=n_new, stop_tokens=()) for _ in range(B)]
+        drafter, name = (lambda: "ngram"), "n-gram"
+    elif workload == "copy":
         params = [SamplingParams(max_new_tokens=n_new, stop_tokens=()) for _ in range(B)]
         drafter, name = (lambda: FreeTargetDrafter(model)), "free target-model"  # a fresh cache a run
     else:
@@ -106,7 +130,8 @@ def case(rec, model, B, workload, n_new, plen, rng):
     rec.log(f"B{B} {workload}: plain {plain_tps:.1f} tok/s, {name} {spec_tps:.1f} tok/s "
             f"({spec_tps / plain_tps:.2f}x), depth {stats['spec_depth']}, acceptance {acc}, "
             f"rows differing {len(differ)}/{B} {differ}")
-    rec.row(f"Speculative decoding, {name} drafts, auto depth", f"B{B} {workload}",
+    area = f"Speculative decoding, {name} drafts, auto depth" + (", trained tiny-code model" if workload == "code" else "")
+    rec.row(area, f"B{B} {workload}",
             spec_tps, "tokens/s", peer=plain_tps, peer_name="plain",
             note=f"depth {stats['spec_depth']}, acceptance {0 if acc is None else acc:.2f}, "
                  f"{len(differ)}/{B} rows differ")
@@ -117,10 +142,12 @@ def run(rec, args):
     batches = args.batches or ([2] if smoke else [1, 16, 64])
     n_new = args.new_tokens or (24 if smoke else 192)
     plen = args.prompt_len or (24 if smoke else 128)
-    model = kimik3.init(k3_slice(args.depth, smoke), seed=0)
+    slice_model = kimik3.init(k3_slice(args.depth, smoke), seed=0) if set(args.workloads) - {"code"} else None
+    code_model = kimik3.load("tiny-code") if "code" in args.workloads else None
     settle_heap()  # as the server does after loading: the drafters' indexes then trigger no full collections
-    rec.details.update(model=model.cfg.name, new_tokens=n_new, prompt_len=plen)
+    rec.details.update(model=slice_model and slice_model.cfg.name, new_tokens=n_new, prompt_len=plen)
     rng = np.random.RandomState(0)
     for B in batches:
         for workload in args.workloads:
+            model = code_model if workload == "code" else slice_model
             rec.guard(f"B{B} {workload}", case, rec, model, B, workload, n_new, plen, rng)

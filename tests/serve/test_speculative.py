@@ -335,3 +335,19 @@ def test_only_calls_that_compile_go_untimed(model):
 
     assert not first_decode_call_timed(Engine(model, **kw))
     assert first_decode_call_timed(Engine(model, **kw))
+
+
+def test_a_trained_model_accepts_the_ngram_drafts_of_a_code_edit():
+    """On the trained tiny-code model (a model whose greedy choices are not near-ties, unlike the
+    random-weight ones) re-emitting held-out code, the n-gram drafts are mostly accepted, and the
+    tokens are plain decoding's."""
+    from benchmarks.speculative import code_edit_prompts
+
+    code = kimik3.load("tiny-code")
+    prompts = code_edit_prompts(code, 2, 400)
+    shape = dict(max_batch=2, max_seq_len=640, page_size=16, prefill_chunk=128, decode_steps=4)
+    plain = Engine(code, **shape).generate(prompts, max_new_tokens=40, stop_tokens=[])
+    eng = Engine(code, **shape, speculative="ngram", num_speculative_tokens=3)
+    assert eng.generate(prompts, max_new_tokens=40, stop_tokens=[]) == plain
+    stats = eng.stats()
+    assert stats["spec_acceptance"] > 0.4 and stats["spec_accepted_tokens"] >= 20, stats
