@@ -69,13 +69,18 @@ class QueuedDecode:
 
     def _chainable(self, call) -> bool:
         """Whether the call after `call` can be dispatched before the host reads `call`: no
-        request is waiting to be admitted, every row's stop rules run on device (stop tokens that
-        fit STOP_SLOTS, no stop strings), some row will still be decoding after it, and the pages
-        the next call writes are free without preempting anyone. The host reads a row's state
+        waiting request could take a free slot now, every row's stop rules run on device (stop
+        tokens that fit STOP_SLOTS, no stop strings), some row will still be decoding after it,
+        and the pages the next call writes are free without preempting anyone. With every slot
+        busy, requests that wait are admitted one call later than they could be (a slot that
+        `call` frees is seen after the next call is queued), as asynchronous schedulers admit
+        them, and a loaded server's decode keeps the device busy. The host reads a row's state
         after `call` (the prefix cache's checkpoints) only where the row ends exactly at its
         sequence, which in decode means the device stopped feeding it: the next call leaves it
         as it was."""
-        if self.waiting or any(r.cache_ahead for r in call.rows):  # an aborted row still feeds in `call`
+        if self.waiting and None in self.slots:
+            return False
+        if any(r.cache_ahead for r in call.rows):  # an aborted row still feeds in `call`
             return False
         rows = [r for r in call.rows if r.finished is None]
         if not any(r.params.max_new_tokens - len(r.output) > call.steps for r in rows):
