@@ -107,16 +107,12 @@ def case(rec, model, B, workload, n_new, plen, rng):
     prompts = (code_edit_prompts(model, B, 4 * plen) if workload == "code"
                else [list(map(int, rng.randint(0, V, plen))) for _ in range(B)])
     max_len = max(map(len, prompts)) + n_new + 64
-    if workload == "code":
-        params = [SamplingParams(max_new_tokens=n_new, stop_tokens=()) for _ in range(B)]
-        drafter, name = (lambda: "ngram"), "n-gram"
-    elif workload == "copy":
-        params = [SamplingParams(max_new_tokens=n_new, stop_tokens=()) for _ in range(B)]
+    drafter, name = (lambda: "ngram"), "n-gram"
+    if workload == "copy":
         drafter, name = (lambda: FreeTargetDrafter(model)), "free target-model"  # a fresh cache a run
-    else:
-        params = [SamplingParams(max_new_tokens=n_new, temperature=1.0, seed=1000 + i, stop_tokens=())
-                  for i in range(B)]
-        drafter, name = (lambda: "ngram"), "n-gram"
+    temperature = 1.0 if workload == "random" else 0.0  # (seed i: a sampled row's own stream)
+    params = [SamplingParams(max_new_tokens=n_new, temperature=temperature, seed=1000 + i, stop_tokens=())
+              for i in range(B)]
     runs = {}
     for spec in (None, drafter, None, drafter):  # the first run of each compiles what it needs
         runs[spec is None] = decode(model, B, prompts, params, spec and spec(), max_len)
@@ -130,8 +126,8 @@ def case(rec, model, B, workload, n_new, plen, rng):
     rec.log(f"B{B} {workload}: plain {plain_tps:.1f} tok/s, {name} {spec_tps:.1f} tok/s "
             f"({spec_tps / plain_tps:.2f}x), depth {stats['spec_depth']}, acceptance {acc}, "
             f"rows differing {len(differ)}/{B} {differ}")
-    area = f"Speculative decoding, {name} drafts, auto depth" + (", trained tiny-code model" if workload == "code" else "")
-    rec.row(area, f"B{B} {workload}",
+    area = f"Speculative decoding, {name} drafts, auto depth"
+    rec.row(area + (", trained tiny-code model" if workload == "code" else ""), f"B{B} {workload}",
             spec_tps, "tokens/s", peer=plain_tps, peer_name="plain",
             note=f"depth {stats['spec_depth']}, acceptance {0 if acc is None else acc:.2f}, "
                  f"{len(differ)}/{B} rows differ")
@@ -145,7 +141,8 @@ def run(rec, args):
     slice_model = kimik3.init(k3_slice(args.depth, smoke), seed=0) if set(args.workloads) - {"code"} else None
     code_model = kimik3.load("tiny-code") if "code" in args.workloads else None
     settle_heap()  # as the server does after loading: the drafters' indexes then trigger no full collections
-    rec.details.update(model=slice_model and slice_model.cfg.name, new_tokens=n_new, prompt_len=plen)
+    rec.details.update(model=slice_model and slice_model.cfg.name, code_model=code_model and code_model.cfg.name,
+                       new_tokens=n_new, prompt_len=plen)
     rng = np.random.RandomState(0)
     for B in batches:
         for workload in args.workloads:

@@ -43,8 +43,8 @@ class NgramDrafter:
         if seen > L:  # the request restarted (preempted and recomputed): rebuild
             seen, table = 0, {}
         # index every n-gram followed by a token (the suffix itself is the query): those ending
-        # (exclusive) at e in [max(seen, n), L - 1], from one copy of the new tail; zip builds
-        # the n-gram tuples in C, where a loop over the view's slices cost ~7 us a token
+        # (exclusive) at e in [max(seen, n), L - 1], from one copy of the new tail, with the
+        # n-gram tuples built by zip in C (not a slice of the sequence view per n-gram)
         base = max(0, max(seen, self.min_n) - self.max_n)
         tail = tokens[base:L]
         for n in range(self.min_n, self.max_n + 1):

@@ -11,8 +11,8 @@ In steady decode the engine keeps one decode call queued on the device ahead of 
 next call starts from the last one's device outputs (each row's last token, position, sample
 count, and whether it still decodes), so the scheduler's work between calls (reading tokens,
 stop checks, the prefix cache's bookkeeping, streaming) overlaps the device instead of idling it.
-Where the host must decide between calls (requests waiting, stop strings, pages short,
-speculation) it reads each call before dispatching the next.
+Where the host must decide between calls (a request waiting with a slot free for it, stop strings,
+pages short, speculation) it reads each call before dispatching the next.
 """
 from __future__ import annotations
 
@@ -152,8 +152,7 @@ class Engine(QueuedDecode):
 
     def _request(self, prompt, params: SamplingParams | None, request_id, index: int = 0) -> Request:
         """A checked request, not yet queued."""
-        if self.closed:
-            raise RuntimeError("this Engine was closed (Engine.close): build a new one to run more requests")
+        self._check_open()
         params = params or SamplingParams()
         params.check(self.cfg.vocab_size)
         tok = text_tokenizer(self.cfg, self.tokenizer)
@@ -193,6 +192,10 @@ class Engine(QueuedDecode):
             self.abort(req)
         self._pending = self.prefix = self.layers = None
         self.closed = True
+
+    def _check_open(self):
+        if self.closed:
+            raise RuntimeError("this Engine was closed (Engine.close): build a new one to run more requests")
 
     def __enter__(self):
         return self
@@ -345,8 +348,7 @@ class Engine(QueuedDecode):
         """Collect one device call; returns (request, new tokens) for every request that produced
         any. In steady decode the next call is already queued on the device when this returns
         (its tokens come with the next step)."""
-        if self.closed:
-            raise RuntimeError("this Engine was closed (Engine.close): build a new one to run more requests")
+        self._check_open()
         try:
             return self._step_pending() if self._pending is not None else self._step()
         finally:

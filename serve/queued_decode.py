@@ -49,7 +49,7 @@ class QueuedDecode:
         needs the host in between) and apply it."""
         call, self._pending = self._pending, None
         rows = [r for r in call.rows if r.finished is None]
-        programs = compiled_programs()
+        programs = compiled_programs() if self.spec is not None else 0  # (the controller's timing only)
         with mesh_context(self.mesh):
             if chain and self._spec_stays_off(rows) and self._chainable(call):
                 self._pending = self._chain(call)

@@ -9,10 +9,11 @@ pass. So the controller measures both sides and chooses the depth that maximises
 - per number of running rows (in power-of-two classes), the wall time of a cycle at each depth,
   and of one plain decode token (depth 0: speculation off).
 Plain decoding is timed first; a depth not yet timed is costed optimistically (one plain token a
-cycle), so it is tried only while acceptance could make it pay (the first call of each depth
-compiles and is not timed: any call that compiles is not). A cycle in which no row has a draft runs one plain token, which is
-what every depth costs while the drafter finds nothing: it times all the depths not yet timed. Each cycle runs the best estimate, and every `explore_every` cycles
-the least recently timed depth is re-timed so that the estimates follow the load.
+cycle), so it is tried only while acceptance could make it pay; a call that compiled a program is
+not timed. A cycle in which no row has a draft runs one plain token, which is what every depth
+costs while the drafter finds nothing: it times all the depths not yet timed. Each cycle runs the
+best estimate, and every `explore_every` cycles the least recently timed depth is re-timed so
+that the estimates follow the load.
 """
 from __future__ import annotations
 
