@@ -13,8 +13,8 @@ Sections:
              every byte value, scale bytes 16..142 and an all-zero group; x rows are one-hot, so
              out[i, n] must equal w0[n, c_i] exactly; plus a grouping with empty experts.
   layer_gmm  the layer's grouped matmuls at --gmm-tokens: gate_up (K 3584, N 6144: w1 | w3),
-             down (K 3072, N 3584), one TP8 rank's slices gate_up_tp8 (K 3584, N 768) and
-             down_tp8 (K 384, N 3584); MXFP4 (each --layouts; "mxfp4_paired_xsplit": x split
+             down (K 3072, N 3584), one TP8 rank's slices gate_up_tp8 (K 3584, N 768), gate_tp8
+             (K 3584, N 384: w1 or w3 alone, as the layer runs them) and down_tp8 (K 384, N 3584); MXFP4 (each --layouts; "mxfp4_paired_xsplit": x split
              outside the timed call, as the MoE layer hands it) and bf16, ours with the config
              moe_gmm picks (`--mxfp4-config` / `--bf16-config` add variants of it) against
              torch._grouped_mm on the exact bf16 dequantisation; gate_up also as the fused
@@ -98,11 +98,12 @@ def routing(rng, tokens, g, topk):
 # (K, N) as moe_gmm sees them. "gate_up": w1 | w3 of the whole layer as one N = 2 x 3072 matmul (the
 # layer runs the two halves as two products; the fused kernel on them: the "glu" rows); "down": w2; "down_tp8": one
 # TP8 rank's slice of w2 (K = 3072 / 8); "gate_up_tp8": the TP8 gate+up slice of sections decode /
-# prefill, here timed by GPU kernel time with every kernel of the call counted.
+# prefill, here timed by GPU kernel time with every kernel of the call counted; "gate_tp8": one of
+# the two products the layer runs there (w1 or w3, N = 384).
 LAYER_GMM_SHAPES = {"gate_up": (3584, 6144), "down": (3072, 3584), "down_tp8": (384, 3584),
-                    "gate_up_tp8": (3584, 768)}
+                    "gate_up_tp8": (3584, 768), "gate_tp8": (3584, 384)}
 SMOKE_LAYER_GMM_SHAPES = {"gate_up": (128, 256), "down": (128, 128), "down_tp8": (32, 128),
-                          "gate_up_tp8": (128, 64)}
+                          "gate_up_tp8": (128, 64), "gate_tp8": (128, 32)}
 GLU_ACT = "situ"  # K3's activation
 
 

@@ -74,6 +74,11 @@ class GmmConfig:
     # weights are streamed (and MXFP4 ones dequantised, "split_asm_t" only) once instead of
     # once more for its short tail tile.
     fuse_tail: bool = False
+    # K split over this many programs per (column block, row tile), each storing its fp32
+    # partial sum ([M, split_k * N], summed by `ops`): at decode a few experts' tiles make too
+    # few programs to keep every SM streaming weights (16 rows, one per expert: 48 programs
+    # for N 384 at block_n 128 on 132 SMs).
+    split_k: int = 1
 
     def __post_init__(self):
         dequant_variant(self.dequant)
@@ -85,6 +90,11 @@ class GmmConfig:
                                    and self.n_per_program == 1):
             raise ValueError("fuse_tail needs block_m_small < block_m (the tail's row block) and "
                              f"n_per_program 1 (got {self})")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+        if self.split_k > 1 and (self.n_per_program > 1 or self.fuse_tail):
+            raise ValueError("split_k splits the plain K loop: set n_per_program 1 and fuse_tail "
+                             f"False with it (got {self})")
         if self.x_resident and self.n_per_program == 1:
             raise ValueError("x_resident keeps x over several column blocks a program: set "
                              "n_per_program > 1 with it")
@@ -96,7 +106,8 @@ class GmmConfig:
              + (f"_np{self.n_per_program}" if self.n_per_program > 1 else "")
              + ("_tsmall" if self.transpose_small else "")
              + ("_xres" if self.x_resident else "")
-             + ("_ftail" if self.fuse_tail else ""))
+             + ("_ftail" if self.fuse_tail else "")
+             + (f"_sk{self.split_k}" if self.split_k > 1 else ""))
         if self.dequant != "interleave":
             s += f"_{self.dequant}"
             if self.x_split != "pre" and self.dequant.startswith("split"):
@@ -128,7 +139,10 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
     bn, bk = cfg.block_n, cfg.block_k
     split, bits = dequant_variant(cfg.dequant) if quant else (False, "f16")
     half, hk, ng = bk // 2, k // 2, bk // mxfp4.GROUP  # per K block: packed columns, scale groups
-    nb = pl.program_id(0)
+    sk = cfg.split_k
+    nb, ks = pl.program_id(0), 0  # column block, K split
+    if sk > 1:
+        nb, ks = nb // sk, nb % sk
     t = pl.program_id(1)
     grp = meta_ref[0, t]
     r0 = meta_ref[1, t]
@@ -149,7 +163,8 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
         mask = (rows < r1)[:, None]
         if n_ragged:
             mask = mask & col_ok(n0)[None, :]
-        plgpu.store(o_ref.at[pl.ds(first, bm), pl.ds(n0, bn)], val.astype(o_ref.dtype),
+        col = n0 + ks * n if sk > 1 else n0  # split k's partial sums: columns [k N, (k+1) N)
+        plgpu.store(o_ref.at[pl.ds(first, bm), pl.ds(col, bn)], val.astype(o_ref.dtype),
                     mask=mask)
 
     # "split_asm_t": the transposed product w [bn, kk] . x [bm, kk]^T -> [bn, bm] (weights as the
@@ -277,7 +292,12 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
                 return tuple(jnp.where(last, jnp.zeros_like(a), a) for a in accs)
             jax.lax.fori_loop(0, n_inner * n_k, body, accs)
         else:
-            finish(jax.lax.fori_loop(0, n_k, lambda kb, a: step(fetch(kb, nb0), a), accs), nb0)
+            lo, hi = 0, n_k
+            if sk > 1:  # this program's share of the K blocks
+                per = pl.cdiv(n_k, sk)
+                lo = ks * per
+                hi = jnp.minimum(lo + per, n_k)
+            finish(jax.lax.fori_loop(lo, hi, lambda kb, a: step(fetch(kb, nb0), a), accs), nb0)
 
     def compute_fused_tail():
         """A tile of block_m + up to block_m_small rows: each K step's weight tile (dense, or
@@ -382,15 +402,16 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
 def gmm_call(meta, x_in, flat_w, *, cfg: GmmConfig, k: int, n: int, g: int, quant: bool, n_w: int,
              epilogue, cdt, precision, out_dtype, interpret: bool, layout: str):
     """The kernel's pallas_call: meta the tile plan [3, T], x_in x [M, K] (or a `SplitX`'s data),
-    flat_w the n_w weights (MXFP4: packed, scales each) -> [M, N] `out_dtype`."""
+    flat_w the n_w weights (MXFP4: packed, scales each) -> [M, N] `out_dtype` (split_k > 1:
+    [M, split_k * N], the K splits' partial sums side by side)."""
     m = x_in.shape[-2]
     kernel = functools.partial(_gmm_kernel, cfg=cfg, k=k, n=n, g_count=g, quant=quant, n_w=n_w,
                                epilogue=epilogue, cdt=cdt, precision=precision,
                                use_asm=not interpret, layout=layout)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(pl.cdiv(n, cfg.block_n * cfg.n_per_program), meta.shape[1]),
+        out_shape=jax.ShapeDtypeStruct((m, n * cfg.split_k), out_dtype),
+        grid=(pl.cdiv(n, cfg.block_n * cfg.n_per_program) * cfg.split_k, meta.shape[1]),
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="moe_gmm",

@@ -160,14 +160,21 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
     if cfg.fuse_tail and quant and (cfg.dequant != "split_asm_t" or cfg.x_split != "pre"):
         raise ValueError("fuse_tail with MXFP4 weights needs dequant='split_asm_t' with x_split="
                          f"'pre' (one dequantised tile for both products), got {cfg.name()}")
+    if cfg.split_k > 1 and len(ws) > 1:
+        raise ValueError("split_k sums partial products after the kernel, so the fused gate/up "
+                         "(its activation in the epilogue) cannot take it: use fuse=False")
     meta = tile_plan(group_sizes, m, cfg.block_m, interpret=interpret,
                      tail=cfg.block_m_small if cfg.fuse_tail else 0)  # one launch
     flat_w = []
     for w in ws:
         flat_w += [w.packed, w.scales] if quant else [w]
-    return gmm_call(meta, x_in, flat_w, cfg=cfg, k=k, n=n, g=g, quant=quant, n_w=len(ws),
-                    epilogue=epilogue, cdt=cdt, precision=precision, out_dtype=out_dtype,
-                    interpret=interpret, layout=layout)
+    out = gmm_call(meta, x_in, flat_w, cfg=cfg, k=k, n=n, g=g, quant=quant, n_w=len(ws),
+                   epilogue=epilogue, cdt=cdt, precision=precision,
+                   out_dtype=jnp.float32 if cfg.split_k > 1 else out_dtype,
+                   interpret=interpret, layout=layout)
+    if cfg.split_k > 1:  # XLA fuses the sum into the cast and the layer's next elementwise op
+        out = out.reshape(m, cfg.split_k, n).sum(axis=1).astype(out_dtype)
+    return out
 
 
 def _check_paired(cfg: GmmConfig, interpret: bool):

@@ -1,7 +1,9 @@
 """The row-tile plan of the grouped matmul: which rows of which group each program computes.
 
 `tile_metadata` (plain JAX) is the definition: [3, T] int32 (group, row start, row end) per tile,
-T = cdiv(M, block_m) + G. XLA runs it as several small kernels (reductions, a gather and a
+T = `tile_slots(M, G, block_m)` = cdiv(M, block_m) + min(G, M): at most min(G, M) groups hold
+rows, so a decode step's 16 rows over 896 experts plan 17 slots, not 897 (the matmul's grid has
+a program per slot and column block; empty slots still launch). XLA runs it as several small kernels (reductions, a gather and a
 select); `tile_plan` computes the same table in one Pallas launch (Triton lowering), which the
 kernel path runs. Each of its programs rebuilds the per-group sums on its own (G is at most ~1k:
 two cumsums of G + 1 values) and fills `_CHUNK` tiles, so no program waits for another; Triton
@@ -27,6 +29,12 @@ def group_tiles(gs, block_m: int, tail: int = 0):
     return jnp.where(gs > 0, (jnp.maximum(gs - tail, 1) + block_m - 1) // block_m, 0)
 
 
+def tile_slots(m: int, g: int, block_m: int) -> int:
+    """Static bound on the row tiles of M rows in G groups: each non-empty group (at most
+    min(G, M)) adds at most one partial tile to the cdiv(M, block_m) full ones."""
+    return pl.cdiv(m, block_m) + min(g, m)
+
+
 def _inclusive_cumsum(v):
     """Inclusive cumsum along the last axis as one masked reduction (O(n^2) work, n <= ~1k here):
     on the GPU one fused kernel, where jnp.cumsum becomes a chain of reduce-window kernels."""
@@ -36,7 +44,7 @@ def _inclusive_cumsum(v):
 
 
 def tile_metadata(group_sizes, m: int, block_m: int, tail: int = 0):
-    """[3, T] int32: (group, row start, row end) of each row tile; T = cdiv(M, block_m) + G.
+    """[3, T] int32: (group, row start, row end) of each row tile; T = `tile_slots(M, G, block_m)`.
     tail > 0: a group's last tile holds up to block_m + tail rows (`group_tiles`; the zero
     group's tiles stay within block_m).
 
@@ -46,7 +54,7 @@ def tile_metadata(group_sizes, m: int, block_m: int, tail: int = 0):
     """
     g = group_sizes.shape[0]
     gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    n_tiles = pl.cdiv(m, block_m) + g
+    n_tiles = tile_slots(m, g, block_m)
     cum = _inclusive_cumsum(jnp.stack([gs, group_tiles(gs, block_m, tail)]))  # [2, G]
     row_end = jnp.minimum(cum[0], m)
     row_start = jnp.minimum(cum[0] - gs, m)
@@ -116,7 +124,7 @@ def tile_plan(group_sizes, m: int, block_m: int, interpret: bool = False, chunk:
     chunk / warps: tiles per program and warps (0: the defaults)."""
     chunk, warps = chunk or _CHUNK, warps or _WARPS
     g = group_sizes.shape[0]
-    n_tiles = pl.cdiv(m, block_m) + g
+    n_tiles = tile_slots(m, g, block_m)
     gp = max(16, pl.next_power_of_2(g + 1))
     kernel = functools.partial(_tiles_kernel, g=g, m=m, block_m=block_m, gp=gp, n_tiles=n_tiles,
                                chunk=chunk, tail=tail)

@@ -80,6 +80,11 @@ CASES = [
      C(32, 16, 32, block_m_small=16, dequant="split", n_per_program=3, x_resident=True)),
     (150, 96, 40, 4, "random", "mxfp4", jnp.bfloat16,
      C(32, 16, 64, block_m_small=16, dequant="split_asm_t", fuse_tail=True)),
+    # K split over programs (partial sums added after): 3 K blocks in 2 splits (2 + 1) with a
+    # ragged N; in 4 splits, the last with no K block left (it stores zeros)
+    (61, 96, 40, 7, "empty_and_short", "mxfp4", jnp.bfloat16,
+     C(16, 16, 32, dequant="split_asm_t", split_k=2)),
+    (50, 96, 32, 5, "random", "fp32", jnp.float32, C(16, 16, 32, split_k=4)),
 ]
 
 
@@ -190,11 +195,11 @@ def test_tile_plan_covers_rows_once_and_equals_tile_metadata():
     `tail`: a group's last tile within block_m + tail, the zero group's within block_m), and a
     group of block_m + tail rows or fewer one tile. The one-launch Pallas tile plan (interpret)
     gives the same table; groupings with empty experts, one expert taking every row, sum > M
-    (clipped), M < G, block_m > M and K3's G = 896."""
+    (clipped), M < G (fewer slots than groups), block_m > M and K3's G = 896."""
     rng = np.random.default_rng(11)
     meta_fn = jax.jit(moe_gmm_tile_metadata, static_argnums=(1, 2, 3))
     from kernels_pallas.moe.tiles import tile_plan
-    for m, g, bm in [(100, 7, 16), (5, 9, 16), (1024, 896, 16), (40, 3, 128)]:
+    for m, g, bm in [(100, 7, 16), (5, 9, 16), (16, 896, 16), (1024, 896, 16), (40, 3, 128)]:
         for tail in (0, bm // 4):
             for trial in range(3):  # sum < M (a zero group), one expert takes all, sum > M
                 rows = (m - min(3, m - 1), m, m + 9)[trial]
@@ -206,7 +211,7 @@ def test_tile_plan_covers_rows_once_and_equals_tile_metadata():
                 meta = np.asarray(meta_fn(jnp.asarray(gs), m, bm, tail))
                 np.testing.assert_array_equal(
                     np.asarray(tile_plan(jnp.asarray(gs), m, bm, interpret=True, tail=tail)), meta)
-                assert meta.shape == (3, -(-m // bm) + g)
+                assert meta.shape == (3, -(-m // bm) + min(g, m))
                 if trial == 2:  # sum > M breaks the contract: only the clipping is checked
                     continue
                 cover = np.zeros(m, np.int32)
@@ -361,6 +366,14 @@ def test_config_validation():
         C(n_per_program=0)
     with pytest.raises(ValueError, match="n_per_program > 1"):
         C(x_resident=True)
+    with pytest.raises(ValueError, match="split_k must be"):
+        C(split_k=0)
+    with pytest.raises(ValueError, match="split_k splits the plain K loop"):
+        C(split_k=2, n_per_program=2)
+    with pytest.raises(ValueError, match="cannot take it: use fuse=False"):
+        x, gs = jnp.zeros((8, 64), jnp.float32), jnp.array([8], jnp.int32)
+        w = jnp.zeros((1, 64, 32), jnp.float32)
+        moe_gmm_glu(x, w, w, gs, backend="interpret", config=C(16, 16, 32, split_k=2), fuse=True)
     assert C(16, 128, 128, n_per_program=4, transpose_small=True).name() == \
         "bm16/None_bn128_bk128_w4_s3_np4_tsmall"
     assert dequant_variant("split_asm_sub") == (True, "asm_sub")
