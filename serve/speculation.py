@@ -8,12 +8,15 @@ pass. So the controller measures both sides and chooses the depth that maximises
   drafting k tokens then commits 1 + alpha + ... + alpha^k tokens on average;
 - per number of running rows (in power-of-two classes), the wall time of a cycle at each depth,
   and of one plain decode token (depth 0: speculation off).
-Plain decoding is timed first; a depth not yet timed is costed optimistically (one plain token a
-cycle), so it is tried only while acceptance could make it pay; a call that compiled a program is
-not timed. A cycle in which no row has a draft runs one plain token, which is what every depth
-costs while the drafter finds nothing: it times all the depths not yet timed. Each cycle runs the
-best estimate, and every `explore_every` cycles the least recently timed depth is re-timed so
-that the estimates follow the load.
+Plain decoding is timed first; a depth not yet timed is costed optimistically, at the cycle of
+the deepest shallower depth timed (a deeper verify does that work and more), so it is tried only
+while acceptance could make it pay, the shallowest such depth first: a slow shallow depth rules
+out the deeper ones untried. A call
+that compiled a program is not timed. A cycle in which no row has a draft runs one plain token,
+which is what every depth costs while the drafter finds nothing: it times all the depths not yet
+timed. Each cycle runs the best estimate; a timed depth not chosen is re-timed, so that the
+estimates follow the load, once `explore_every` cycles times its cycle over a plain token's have
+passed: each losing depth costs about 1/explore_every of plain decoding's time, however slow.
 """
 from __future__ import annotations
 
@@ -75,20 +78,31 @@ class Speculator:
             choice = self.depths[0]
         elif 0 not in timed:  # plain decoding first: the yardstick every depth is held against
             choice = 0
-        elif len(timed) > 1 and self.cycles % self.explore_every == 0:
-            choice = min(timed, key=lambda k: self.last_timed.get((cls, k), 0))
         else:
             def rate(k):
-                # an untimed depth is costed optimistically at one plain token a cycle, so it is
-                # tried only while the requests' acceptance says it could beat what is measured
+                # an untimed depth is costed optimistically at the deepest shallower timed depth's
+                # cycle, so it is tried only while the requests' acceptance says it could win
                 tokens = sum(sum(self.alpha(r) ** i for i in range(k + 1)) for r in keys)
-                return tokens / self.cycle_s.get((cls, k), self.cycle_s[(cls, 0)])
+                cycle = self.cycle_s.get((cls, k)) or max(self.cycle_s[(cls, j)] for j in timed if j < k)
+                return tokens / cycle
             choice = max(self.depths, key=rate)  # ties: the shallower depth
+            if (cls, choice) not in self.cycle_s:  # probe the shallowest depth that could win: its
+                floor = max(rate(k) for k in timed)  # cycle bounds the deeper ones' from below
+                choice = min(k for k in self.depths if (cls, k) not in self.cycle_s and rate(k) > floor)
+            due = [k for k in timed if k != choice and self._due(cls, k)]
+            if due:  # re-time the losing depth waiting longest
+                choice = min(due, key=lambda k: self.last_timed.get((cls, k), 0))
         if choice != self.depth:
             log.info("speculative depth %d -> %d at %d rows (cycle s by depth: %s)", self.depth, choice,
                      len(keys), {k: self.cycle_s.get((cls, k)) for k in self.depths})
         self.depth = choice
         return choice
+
+    def _due(self, cls: int, k: int) -> bool:
+        """Whether timed depth k is due a re-timing: explore_every cycles times its cost in plain
+        tokens have passed since it was last timed."""
+        ratio = self.cycle_s[(cls, k)] / self.cycle_s[(cls, 0)]
+        return self.cycles - self.last_timed.get((cls, k), 0) >= self.explore_every * max(1.0, ratio)
 
     def timed(self, rows: int, depth: int, seconds: float, compiled: bool = False):
         """Record a cycle's wall time (for depth 0: per decode token); a call that `compiled` a

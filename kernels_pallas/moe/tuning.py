@@ -1,8 +1,10 @@
 """Block configurations of the grouped matmul: a table of the tuned ones, keyed by platform and
 shape class, and the regime rules for every shape no row covers.
 
-A shape is classed (`shape_class`) by its regime, rows per group: "decode" (< 24: streaming the
-weights of the experts that got rows), "middle" (< 96), "prefill" (>= 96: matmul-bound); its
+A shape is classed (`shape_class`) by its regime, rows per group: "sparse" (< 0.5: most experts
+that got rows got one, a decode step of a few tokens, where the programs are few), "decode" (< 24:
+streaming the weights of the experts that got rows), "middle" (< 96), "prefill" (>= 96:
+matmul-bound); its
 weights ("dense" bf16 / fp32, or "mxfp4") and their byte layout ("k3" | "paired"); the
 activation dtype (the inline PTX decodes for bf16 activations only); fused gate/up or not; K (a
 multiple of 256; else at most `_X_RESIDENT_MAX_K_BLOCKS` blocks of 128; else longer) and N
@@ -14,9 +16,12 @@ were not measured.
 A row gives the blocks at full width; `_fit` narrows them to the shape: block_n to the next
 power of two covering N (at least 16), halved for the fused gate/up (each program holds two
 accumulators and streams two weight tiles); block_k halved until it divides K (at least 32),
-except in a row that names K classes, which takes its block_k as it is. Last, paired MXFP4
-weights on CUDA with bf16 activations take "split_asm_t" in every regime: it is the only kernel
-that decodes their bytes there.
+except in a row that names K classes, which takes its block_k as it is. In the sparse regime on
+CUDA, paired MXFP4 weights in a plain K loop whose programs (about min(M, G) row tiles times the
+column blocks) would not fill the GPU split K over up to 4 programs (`_split_k`). Last, paired
+MXFP4 weights on CUDA
+with bf16 activations take "split_asm_t" in every regime: it is the only kernel that decodes
+their bytes there.
 """
 from __future__ import annotations
 
@@ -30,12 +35,17 @@ from .._backend import kernel_platform
 from .kernel import GmmConfig
 
 _X_RESIDENT_MAX_K_BLOCKS = 4  # x kept resident up to this many K blocks of 128 (16 KiB of x tiles)
+# programs that keep an H100 / H200 (132 SMs) streaming weights: about three an SM, so that one
+# program's dequantisation overlaps another's loads (of the splits timed at one row an expert,
+# the one nearest this count was the fastest)
+_FILL_PROGRAMS = 384
+_MAX_SPLIT_K = 4
 
 
 class ShapeClass(NamedTuple):
     """The class of one call (`shape_class`), or a pattern in `TUNED`: a field "*" matches any
     value, a tuple any of its values."""
-    regime: str = "*"   # "decode" | "middle" | "prefill"
+    regime: str = "*"   # "sparse" | "decode" | "middle" | "prefill"
     weights: str = "*"  # "dense" | "mxfp4"
     layout: str = "*"   # "k3" | "paired" (MXFP4 bytes; dense weights are "k3")
     x: str = "*"        # "bf16" | "other": the activation dtype
@@ -47,30 +57,39 @@ class ShapeClass(NamedTuple):
 _C = GmmConfig
 # (platform, shape class) -> config at full width. Platform "cuda" (an NVIDIA GPU) or "*" (any:
 # CUDA where no "cuda" row matches, ROCm, CPU, the interpreter).
+DEC = ("sparse", "decode")
 TUNED: tuple[tuple[str, ShapeClass, GmmConfig], ...] = (
+    # CUDA sparse decode, paired bytes (a TP8 rank's gate or up, K 3584 N 384; its down, K 384
+    # N 3584): half-width column blocks, and two column blocks a program for the short K, give
+    # twice the programs the decode rows make at one row an expert (plus `_split_k`).
+    ("cuda", ShapeClass("sparse", "mxfp4", "paired", "bf16", glu=False, k="k256"),
+     _C(16, 64, 256, num_warps=4, num_stages=4, dequant="split_asm_t")),
+    ("cuda", ShapeClass("sparse", "mxfp4", "paired", "bf16", k="k128_short"),
+     _C(16, 128, 128, num_warps=4, num_stages=3, dequant="split_asm_t", n_per_program=2,
+        x_resident=True)),
     # CUDA decode, bf16 activations: the inline-PTX dequantisation. The fused gate/up in K3's
     # layout keeps "split_asm_sub" (its "split_asm_t" form was not timed).
-    ("cuda", ShapeClass("decode", "mxfp4", "k3", "bf16", glu=True),
+    ("cuda", ShapeClass(DEC, "mxfp4", "k3", "bf16", glu=True),
      _C(16, 128, 256, num_warps=4, num_stages=4, dequant="split_asm_sub")),
-    ("cuda", ShapeClass("decode", "mxfp4", x="bf16", k="k256"),
+    ("cuda", ShapeClass(DEC, "mxfp4", x="bf16", k="k256"),
      _C(16, 128, 256, num_warps=4, num_stages=4, dequant="split_asm_t")),
     # K not a multiple of 256 (a TP8 rank's down projection, K 384): K blocks of 128 only in the
     # loop over several column blocks: in the plain K loop they gave different outputs from call
     # to call on the GPU (not root-caused). Paired bytes (shorter PTX): x resident, 7 blocks.
-    ("cuda", ShapeClass("decode", "mxfp4", "paired", "bf16", k="k128_short"),
+    ("cuda", ShapeClass(DEC, "mxfp4", "paired", "bf16", k="k128_short"),
      _C(16, 128, 128, num_warps=4, num_stages=3, dequant="split_asm_t", n_per_program=7,
         x_resident=True)),
-    ("cuda", ShapeClass("decode", "mxfp4", x="bf16", k=("k128_short", "k128")),
+    ("cuda", ShapeClass(DEC, "mxfp4", x="bf16", k=("k128_short", "k128")),
      _C(16, 128, 128, num_warps=4, num_stages=3, dequant="split_asm_t", n_per_program=4)),
     # CUDA decode, other activation dtypes (the fp32 tiny models): the portable dequantisation
     # at CUDA's K block. Not measured.
-    ("cuda", ShapeClass("decode", "mxfp4"),
+    ("cuda", ShapeClass(DEC, "mxfp4"),
      _C(16, 128, 256, num_warps=4, num_stages=4, dequant="split")),
     # Dense decode: at copy bandwidth on the GPU.
-    ("*", ShapeClass("decode", "dense"), _C(16, 128, 128, num_warps=4, num_stages=4)),
+    ("*", ShapeClass(DEC, "dense"), _C(16, 128, 128, num_warps=4, num_stages=4)),
     # Portable MXFP4 decode (ROCm, CPU): K blocks of 128 keep four stages' inputs inside MI300X's
     # 64 KiB of LDS. Not measured on any GPU in this form.
-    ("*", ShapeClass("decode", "mxfp4"),
+    ("*", ShapeClass(DEC, "mxfp4"),
      _C(16, 128, 128, num_warps=4, num_stages=4, dequant="split")),
     # Dense prefill, wide N: the short tiles as w^T . x^T (wgmma 64 x 32 instead of mma.sync) and
     # fused into their group's last tile (one weight stream a group).
@@ -98,7 +117,8 @@ def shape_class(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = False,
                 x_dtype=jnp.bfloat16, layout: str = "k3") -> ShapeClass:
     """The class of a moe_gmm call of x [m, k] on g groups of [k, n] weights."""
     rows_per_group = m / max(g, 1)
-    regime = "decode" if rows_per_group < 24 else "middle" if rows_per_group < 96 else "prefill"
+    regime = ("sparse" if rows_per_group < 0.5 else "decode" if rows_per_group < 24 else
+              "middle" if rows_per_group < 96 else "prefill")
     return ShapeClass(regime, "mxfp4" if quant else "dense", layout if quant else "k3",
                       "bf16" if jnp.dtype(x_dtype) == jnp.bfloat16 else "other", bool(glu_),
                       _k_class(k), "n256" if n >= 256 else "narrow")
@@ -129,6 +149,14 @@ def _fit(cfg: GmmConfig, pattern: ShapeClass | None, k: int, n: int, glu_: bool)
     return dataclasses.replace(cfg, block_n=bn, block_k=bk)
 
 
+def _split_k(m: int, g: int, k: int, n: int, cfg: GmmConfig) -> int:
+    """K splits that bring a sparse decode's programs (about one row tile an expert that got a
+    row) up to `_FILL_PROGRAMS`, keeping at least two K blocks a split; 1 where they fill it."""
+    programs = min(m, g) * pl.cdiv(n, cfg.block_n)
+    want = pl.cdiv(_FILL_PROGRAMS, programs)
+    return max(1, min(want, _MAX_SPLIT_K, pl.cdiv(k, cfg.block_k) // 2))
+
+
 def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = False, *,
                    platform: str | None = None, x_dtype=jnp.bfloat16,
                    layout: str = "k3") -> GmmConfig:
@@ -142,6 +170,9 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
     cls = shape_class(m, g, k, n, quant, glu_, x_dtype=x_dtype, layout=layout)
     pattern, cfg = lookup(platform, cls)
     cfg = _fit(cfg, pattern, k, n, glu_)
+    if (platform == "cuda" and cls.regime == "sparse" and cls.layout == "paired" and not glu_
+            and cfg.n_per_program == 1):  # measured there only
+        cfg = dataclasses.replace(cfg, split_k=_split_k(m, g, k, n, cfg))
     if quant and layout == "paired" and platform == "cuda" and cls.x == "bf16":
         cfg = dataclasses.replace(cfg, dequant="split_asm_t")
     return cfg

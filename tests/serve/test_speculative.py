@@ -175,6 +175,28 @@ def test_depth_controller_maximises_committed_tokens_per_second():
     assert s.stats()["spec_depth"] == 0
 
 
+def test_depth_controller_prunes_deeper_depths_and_re_times_losers_by_their_cost():
+    """Timed as on the GPU for a tiny model whose verify cycle is host-bound: plain 0.5 ms a token,
+    depth 2 1.74 ms; at acceptance 0.69 depth 4 commits ~2.7 tokens, which cannot beat plain
+    decoding at no less than depth 2's cycle, so it is not tried (the old rule costed it at one
+    plain token and paid a probe of each deeper depth). Depth 2, 3.5x plain, is re-timed after
+    3.5 x explore_every cycles, not every explore_every."""
+    s = Speculator("ngram", "auto", explore_every=10)
+    for _ in range(30):
+        s.record("a", 10, 7)
+    assert s.choose(["a"]) == 0
+    s.timed(1, 0, 0.0005)
+    assert s.choose(["a"]) == 2  # untimed, could pay at plain decoding's cycle
+    s.timed(1, 2, 0.00174)
+    chosen = []
+    for _ in range(80):
+        chosen.append(s.choose(["a"]))
+        s.timed(1, chosen[-1], 0.00174 if chosen[-1] else 0.0005)
+    retimed = [i for i, k in enumerate(chosen) if k]
+    assert set(chosen) == {0, 2}, chosen  # never depth 4 or 7
+    assert retimed == [34, 69], retimed  # every 35 cycles (3.48 x 10), not every 10
+
+
 def test_depth_controller_turns_itself_off_when_nothing_is_drafted():
     # a drafter that never finds a draft (random text): every depth-k cycle commits one token at
     # the cost of a one-step call, which is what every depth costs then: one timed such cycle
@@ -192,7 +214,7 @@ def test_depth_controller_turns_itself_off_when_nothing_is_drafted():
             s.timed_undrafted(1, k, 0.015, compiled=not any(chosen[:-1]))  # its first call compiles
         else:
             s.timed(1, 0, 0.010)
-    assert chosen[:2] == [7, 7] and chosen[2:] == [0] * 58, chosen  # the deepest looks best untimed
+    assert chosen[:2] == [2, 2] and chosen[2:] == [0] * 58, chosen  # the shallowest that could pay
     assert {k: round(t, 3) for (_, k), t in s.cycle_s.items()} == {0: 0.010, 2: 0.015, 4: 0.015, 7: 0.015}
     assert s.stats()["spec_draft_tokens"] == 0
 
