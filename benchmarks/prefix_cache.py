@@ -95,9 +95,9 @@ def nothing_hits(rec, model, chunk, rng):
     passes, calls = len(out["on"][0]), len(out["on"][1])
     rec.details["nothing_hits"] = rows
     shape = f"4 x {4 * chunk} tokens, chunk {chunk}"
-    rec.row("Prefix cache on, nothing hits: prefill", shape, rows["on"]["prefill_s"] * 1e3, "ms",
+    rec.row("Prefix cache on, nothing hits", f"prefill, {shape}", rows["on"]["prefill_s"] * 1e3, "ms",
             peer=rows["off"]["prefill_s"] * 1e3, peer_name="cache off", note=f"median of {passes} passes")
-    rec.row("Prefix cache on, nothing hits: decode step", "B4", rows["on"]["decode_step_s"] * 1e6,
+    rec.row("Prefix cache on, nothing hits", "decode step, B4", rows["on"]["decode_step_s"] * 1e6,
             "us", peer=rows["off"]["decode_step_s"] * 1e6, peer_name="cache off", note=f"median of {calls} calls")
     rec.log("nothing hits:", rows)
 
@@ -137,7 +137,7 @@ def shared_prefix(rec, model, P, rng):
     recompute = rows["off"]["ttft_s"]
     for tier in ("device", "host"):
         r = rows[tier]
-        rec.row(f"Prefix cache hit, {tier} tier: restore (peer: recompute the prefix)", f"{P} tokens",
+        rec.row("Prefix cache hit: restore instead of recomputing the prefix", f"{tier} tier, {P} tokens",
                 r["restore_s"] * 1e3, "ms", peer=recompute * 1e3, peer_name="cache off",
                 note=f"TTFT {r['ttft_s'] * 1e3:.1f} ms vs {recompute * 1e3:.1f} ms")
 

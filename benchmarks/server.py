@@ -82,10 +82,10 @@ async def overhead(rec, model, tok, args, smoke):
     rec.details["overhead"] = dict(streams=args.streams, prompt=prompt, output=output, runs=runs)
     shape = f"{args.streams} streams, {prompt} in / {output} out"
     note = "the client in its own process"
-    rec.row("Server over HTTP (peer: the in-process engine): total tokens/s", shape,
+    rec.row("Server over HTTP", f"total tokens/s, {shape}",
             best["http"]["total_tokens_per_s"], "tokens/s", peer=best["in_process"]["total_tokens_per_s"],
             peer_name="in-process", note=note)
-    rec.row("Server over HTTP (peer: the in-process engine): TTFT P50", shape, best["http"]["ttft_p50_s"] * 1e3,
+    rec.row("Server over HTTP", f"TTFT P50, {shape}", best["http"]["ttft_p50_s"] * 1e3,
             "ms", peer=best["in_process"]["ttft_p50_s"] * 1e3, peer_name="in-process", note=note)
     rec.log("overhead (tokens/s, TTFT P50 ms; at the engine: arrival spread ms, steps during it, TTFT P50 ms):",
             {w: [(round(r["total_tokens_per_s"], 1), round(r["ttft_p50_s"] * 1e3, 1), r["engine_arrival_spread_ms"],
