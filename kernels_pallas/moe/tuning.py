@@ -17,8 +17,8 @@ A row gives the blocks at full width; `_fit` narrows them to the shape: block_n 
 power of two covering N (at least 16), halved for the fused gate/up (each program holds two
 accumulators and streams two weight tiles); block_k halved until it divides K (at least 32),
 except in a row that names K classes, which takes its block_k as it is. In the sparse regime on
-CUDA, paired MXFP4 weights in a plain K loop whose programs (about min(M, G) row tiles times the
-column blocks) would not fill the GPU split K over up to 4 programs (`_split_k`). Last, paired
+CUDA, MXFP4 weights in a plain K loop whose programs (about min(M, G) row tiles times the column
+blocks) would not fill the GPU split K over up to 4 programs (`_split_k`). Last, paired
 MXFP4 weights on CUDA
 with bf16 activations take "split_asm_t" in every regime: it is the only kernel that decodes
 their bytes there.
@@ -59,14 +59,17 @@ _C = GmmConfig
 # CUDA where no "cuda" row matches, ROCm, CPU, the interpreter).
 DEC = ("sparse", "decode")
 TUNED: tuple[tuple[str, ShapeClass, GmmConfig], ...] = (
-    # CUDA sparse decode, paired bytes (a TP8 rank's gate or up, K 3584 N 384; its down, K 384
-    # N 3584): half-width column blocks, and two column blocks a program for the short K, give
-    # twice the programs the decode rows make at one row an expert (plus `_split_k`).
-    ("cuda", ShapeClass("sparse", "mxfp4", "paired", "bf16", glu=False, k="k256"),
+    # CUDA sparse decode (a TP8 rank's gate or up, K 3584 N 384; its down, K 384 N 3584):
+    # half-width column blocks, and two column blocks a program for the short K, give the
+    # programs that one row an expert leaves too few (plus `_split_k`). K3's bytes take the
+    # paired bytes' blocks (down: without x resident, as in their decode row).
+    ("cuda", ShapeClass("sparse", "mxfp4", x="bf16", glu=False, k="k256"),
      _C(16, 64, 256, num_warps=4, num_stages=4, dequant="split_asm_t")),
     ("cuda", ShapeClass("sparse", "mxfp4", "paired", "bf16", k="k128_short"),
      _C(16, 128, 128, num_warps=4, num_stages=3, dequant="split_asm_t", n_per_program=2,
         x_resident=True)),
+    ("cuda", ShapeClass("sparse", "mxfp4", "k3", "bf16", k=("k128_short", "k128")),
+     _C(16, 128, 128, num_warps=4, num_stages=3, dequant="split_asm_t", n_per_program=2)),
     # CUDA decode, bf16 activations: the inline-PTX dequantisation. The fused gate/up in K3's
     # layout keeps "split_asm_sub" (its "split_asm_t" form was not timed).
     ("cuda", ShapeClass(DEC, "mxfp4", "k3", "bf16", glu=True),
@@ -170,8 +173,7 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
     cls = shape_class(m, g, k, n, quant, glu_, x_dtype=x_dtype, layout=layout)
     pattern, cfg = lookup(platform, cls)
     cfg = _fit(cfg, pattern, k, n, glu_)
-    if (platform == "cuda" and cls.regime == "sparse" and cls.layout == "paired" and not glu_
-            and cfg.n_per_program == 1):  # measured there only
+    if platform == "cuda" and cls.regime == "sparse" and quant and not glu_ and cfg.n_per_program == 1:
         cfg = dataclasses.replace(cfg, split_k=_split_k(m, g, k, n, cfg))
     if quant and layout == "paired" and platform == "cuda" and cls.x == "bf16":
         cfg = dataclasses.replace(cfg, dequant="split_asm_t")

@@ -423,15 +423,15 @@ def test_default_config_by_platform():
     # sparse decode (under half a row an expert), CUDA, paired: a TP8 rank's gate / up at half
     # width, K split where the programs are few (1 token: 16 rows x 6 column blocks = 96), and
     # its down at two column blocks a program
-    for tokens, split in ((1, 4), (2, 2), (16, 1)):
-        c = default_config(16 * tokens, G, K, 384, True, platform="cuda", layout="paired")
-        assert (c.block_n, c.block_k, c.split_k, c.dequant) == (64, 256, split, "split_asm_t"), c
-        c = default_config(16 * tokens, G, 384, 3584, True, platform="cuda", layout="paired")
-        assert (c.block_n, c.block_k, c.n_per_program, c.x_resident, c.split_k) == \
-            (128, 128, 2, True, 1), c
+    for layout in ("paired", "k3"):
+        for tokens, split in ((1, 4), (2, 2), (16, 1)):
+            c = default_config(16 * tokens, G, K, 384, True, platform="cuda", layout=layout)
+            assert (c.block_n, c.block_k, c.split_k, c.dequant) == (64, 256, split, "split_asm_t"), c
+            c = default_config(16 * tokens, G, 384, 3584, True, platform="cuda", layout=layout)
+            assert (c.block_n, c.block_k, c.n_per_program, c.x_resident, c.split_k) == \
+                (128, 128, 2, layout == "paired", 1), c
     assert default_config(16, G, K, 384, True, platform="rocm").split_k == 1  # measured on CUDA only
-    c = default_config(16, G, K, 384, True, platform="cuda")
-    assert (c.block_n, c.split_k) == (128, 1)  # K3 bytes: as decode
+    assert default_config(16, G, K, 384 // 2, True, True, platform="cuda").split_k == 1  # fused GLU
 
     class _Client:
         def __init__(self, version):
