@@ -62,27 +62,48 @@ class InProcess:
 
 
 class OverHTTP:
-    """Requests to an OpenAI-compatible server's /v1/completions (token-id prompts, streamed)."""
+    """Streamed /v1/completions requests (token-id prompts) to an OpenAI-compatible server, sent with
+    httpx and read as plain Server-Sent Events, as load generators do (vLLM's benchmark_serving
+    uses aiohttp): the openai client's request building walks a 1024-token prompt in Python for
+    about 10 ms, so sessions starting together reached the server one such delay after another
+    and the client's TTFT counted the wait."""
 
-    def __init__(self, client, model: str):
-        self.client, self.model = client, model
+    def __init__(self, http, base: str, model: str):
+        self.http, self.url, self.model = http, base + "/v1/completions", model
 
     async def complete(self, prompt: list[int], max_tokens: int, rec: Record):
-        stream = await self.client.completions.create(
-            model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
-        async for chunk in stream:
-            if chunk.choices:
-                n = len((chunk.choices[0].model_extra or {}).get("token_ids") or [])
-                if n:
-                    rec.arrivals.append((time.perf_counter(), n))
-            if chunk.usage:
-                rec.output_tokens = chunk.usage.completion_tokens
-                details = chunk.usage.prompt_tokens_details
-                rec.cached_tokens = int(getattr(details, "cached_tokens", 0) or 0) if details else 0
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                           "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+                           "return_token_ids": True})
+        async with self.http.stream("POST", self.url, content=body,
+                                    headers={"Content-Type": "application/json"}) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {_error_message(await r.aread())}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(_error_message(line[6:]))
+                for choice in chunk.get("choices") or ():
+                    n = len(choice.get("token_ids") or ())
+                    if n:
+                        rec.arrivals.append((time.perf_counter(), n))
+                usage = chunk.get("usage")
+                if usage:
+                    rec.output_tokens = usage["completion_tokens"]
+                    rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         if rec.output_tokens != sum(n for _, n in rec.arrivals):
             raise RuntimeError(f"the server reported {rec.output_tokens} tokens but streamed "
                                f"{sum(n for _, n in rec.arrivals)} token ids (does it support return_token_ids?)")
+
+
+def _error_message(body) -> str:
+    """An OpenAI-style error body's message, else the body itself (shortened)."""
+    try:
+        return json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return (body.decode(errors="replace") if isinstance(body, bytes) else str(body))[:300]
 
 
 async def replay(sessions: list[Session], backend, block_size: int, vocab_size: int,
@@ -229,7 +250,6 @@ def run_replay(sessions: list[Session], *, engine_factory=None, url: str | None 
 
 async def _over_http(sessions, url, model, concurrencies, target, block_size, time_scale, devices, plot):
     import httpx
-    import openai
 
     base = url.rstrip("/")
     async with httpx.AsyncClient(timeout=30) as http:
@@ -248,8 +268,9 @@ async def _over_http(sessions, url, model, concurrencies, target, block_size, ti
     n_dev = devices or int(health.get("devices", 1))
 
     async def one(concurrency):
-        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=None) as client:
-            records, wall = await replay(sessions, OverHTTP(client, card["id"]), block_size, card["vocab_size"],
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)  # one a session in flight
+        async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+            records, wall = await replay(sessions, OverHTTP(http, base, card["id"]), block_size, card["vocab_size"],
                                          concurrency, time_scale)
         return summarize(records, wall, n_dev)
 

@@ -1,10 +1,12 @@
 """Agentic session replay: trace format, synthetic prefixes that follow the block hashes, the
 coding-agent generator, the sweep's figure, and `kimik3 replay` on the tiny model in-process and
 over HTTP giving the same token counts."""
+import asyncio
 import gc
 import json
 import weakref
 
+import httpx
 import pytest
 
 import kimik3
@@ -14,7 +16,7 @@ from kimik3.tokenizer import default_tokenizer
 from serve.agentic_trace import coding_agent_sessions, prefix_reuse, prompt_tokens, read_trace, write_trace
 from serve.async_engine import AsyncEngine
 from serve.cli import main
-from serve.replay import run_replay, throughput_at_target
+from serve.replay import OverHTTP, Record, run_replay, throughput_at_target
 from serve.server import ServerThread, build_app
 
 SMALL = dict(sessions=2, turns=2, system_tokens=32, user_tokens=8, tool_tokens=8, output_tokens=4, block_size=16)
@@ -126,3 +128,36 @@ def test_each_run_of_a_sweep_frees_its_engine_before_the_next():
         gc.enable()
     assert len(engines) == 3 and freed(engines[-1])
     assert [p["requests"] for p in report["sweep"]["points"]] == [4, 4]
+
+
+def test_over_http_reads_the_stream_and_reports_server_errors():
+    """The replay's HTTP client (httpx, plain Server-Sent Events) against canned responses: token
+    ids counted as they stream, usage and cached tokens taken, an OpenAI-style error body given as
+    its message, a count mismatch refused."""
+    def sse(*chunks):
+        return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    usage = {"completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 64}}
+    bodies = {"ok": (200, sse({"choices": [{"token_ids": [5, 6]}]}, {"choices": [{"token_ids": [7]}]},
+                                {"choices": [], "usage": usage})),
+              "bad": (400, json.dumps({"error": {"message": "max_tokens must be >= 1"}})),
+              "short": (200, sse({"choices": [{"token_ids": [5]}]}, {"choices": [], "usage": usage}))}
+
+    def handler(request):
+        sent = json.loads(request.content)
+        assert sent["prompt"] == [1, 2] and sent["stream"] and sent["return_token_ids"]
+        status, text = bodies[sent["model"]]
+        return httpx.Response(status, text=text)
+
+    async def run(model):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            rec = Record(0, 0, 2, start=0.0)
+            await OverHTTP(http, "http://x", model).complete([1, 2], 3, rec)
+            return rec
+
+    rec = asyncio.run(run("ok"))
+    assert [n for _, n in rec.arrivals] == [2, 1] and (rec.output_tokens, rec.cached_tokens) == (3, 64)
+    with pytest.raises(RuntimeError, match="HTTP 400: max_tokens must be >= 1"):
+        asyncio.run(run("bad"))
+    with pytest.raises(RuntimeError, match="reported 3 tokens but streamed 1"):
+        asyncio.run(run("short"))
