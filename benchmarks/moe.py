@@ -14,8 +14,8 @@ Sections:
              out[i, n] must equal w0[n, c_i] exactly; plus a grouping with empty experts.
   layer_gmm  the layer's grouped matmuls at --gmm-tokens: gate_up (K 3584, N 6144: w1 | w3),
              down (K 3072, N 3584), one TP8 rank's slices gate_up_tp8 (K 3584, N 768), gate_tp8
-             (K 3584, N 384: w1 or w3 alone, as the layer runs them) and down_tp8 (K 384, N 3584); MXFP4 (each --layouts; "mxfp4_paired_xsplit": x split
-             outside the timed call, as the MoE layer hands it) and bf16, ours with the config
+             (K 3584, N 384: w1 or w3 alone, as the layer runs them) and down_tp8 (K 384,
+             N 3584); MXFP4 (each --layouts; "mxfp4_paired_xsplit": x split outside the timed call, as the MoE layer hands it) and bf16, ours with the config
              moe_gmm picks (`--mxfp4-config` / `--bf16-config` add variants of it) against
              torch._grouped_mm on the exact bf16 dequantisation; gate_up also as the fused
              kernel (glu_*). Every row is checked against the peer and for run-to-run

@@ -11,10 +11,9 @@ pass. So the controller measures both sides and chooses the depth that maximises
 Plain decoding is timed first; a depth not yet timed is costed optimistically, at the cycle of
 the deepest shallower depth timed (a deeper verify does that work and more), so it is tried only
 while acceptance could make it pay, the shallowest such depth first: a slow shallow depth rules
-out the deeper ones untried. A call
-that compiled a program is not timed. A cycle in which no row has a draft runs one plain token,
-which is what every depth costs while the drafter finds nothing: it times all the depths not yet
-timed. Each cycle runs the best estimate; a timed depth not chosen is re-timed, so that the
+out the deeper ones untried. A call that compiled a program is not timed. A cycle in which no row
+has a draft runs one plain token, which is what every depth costs while the drafter finds
+nothing: it times all the depths not yet timed. Each cycle runs the best estimate; a timed depth not chosen is re-timed, so that the
 estimates follow the load, once `explore_every` cycles times its cycle over a plain token's have
 passed: each losing depth costs about 1/explore_every of plain decoding's time, however slow.
 """
@@ -79,16 +78,15 @@ class Speculator:
         elif 0 not in timed:  # plain decoding first: the yardstick every depth is held against
             choice = 0
         else:
-            def rate(k):
-                # an untimed depth is costed optimistically at the deepest shallower timed depth's
-                # cycle, so it is tried only while the requests' acceptance says it could win
-                tokens = sum(sum(self.alpha(r) ** i for i in range(k + 1)) for r in keys)
+            alphas = [self.alpha(r) for r in keys]
+            rate = {}  # committed tokens a second; an untimed depth is costed optimistically at the
+            for k in self.depths:  # deepest shallower timed depth's cycle (a deeper verify does more)
                 cycle = self.cycle_s.get((cls, k)) or max(self.cycle_s[(cls, j)] for j in timed if j < k)
-                return tokens / cycle
-            choice = max(self.depths, key=rate)  # ties: the shallower depth
+                rate[k] = sum(sum(a ** i for i in range(k + 1)) for a in alphas) / cycle
+            choice = max(self.depths, key=rate.get)  # ties: the shallower depth
             if (cls, choice) not in self.cycle_s:  # probe the shallowest depth that could win: its
-                floor = max(rate(k) for k in timed)  # cycle bounds the deeper ones' from below
-                choice = min(k for k in self.depths if (cls, k) not in self.cycle_s and rate(k) > floor)
+                floor = max(rate[k] for k in timed)  # cycle bounds the deeper ones' from below
+                choice = min(k for k in self.depths if (cls, k) not in self.cycle_s and rate[k] > floor)
             due = [k for k in timed if k != choice and self._due(cls, k)]
             if due:  # re-time the losing depth waiting longest
                 choice = min(due, key=lambda k: self.last_timed.get((cls, k), 0))

@@ -3,8 +3,8 @@
 `tile_metadata` (plain JAX) is the definition: [3, T] int32 (group, row start, row end) per tile,
 T = `tile_slots(M, G, block_m)` = cdiv(M, block_m) + min(G, M): at most min(G, M) groups hold
 rows, so a decode step's 16 rows over 896 experts plan 17 slots, not 897 (the matmul's grid has
-a program per slot and column block; empty slots still launch). XLA runs it as several small kernels (reductions, a gather and a
-select); `tile_plan` computes the same table in one Pallas launch (Triton lowering), which the
+a program per slot and column block; empty slots still launch). XLA runs it as several small
+kernels (reductions, a gather and a select); `tile_plan` computes the same table in one Pallas launch (Triton lowering), which the
 kernel path runs. Each of its programs rebuilds the per-group sums on its own (G is at most ~1k:
 two cumsums of G + 1 values) and fills `_CHUNK` tiles, so no program waits for another; Triton
 has no register gather, so a tile's group values are masked sums over the groups.

@@ -4,9 +4,8 @@ shape class, and the regime rules for every shape no row covers.
 A shape is classed (`shape_class`) by its regime, rows per group: "sparse" (< 0.5: most experts
 that got rows got one, a decode step of a few tokens, where the programs are few), "decode" (< 24:
 streaming the weights of the experts that got rows), "middle" (< 96), "prefill" (>= 96:
-matmul-bound); its
-weights ("dense" bf16 / fp32, or "mxfp4") and their byte layout ("k3" | "paired"); the
-activation dtype (the inline PTX decodes for bf16 activations only); fused gate/up or not; K (a
+matmul-bound); its weights ("dense" bf16 / fp32, or "mxfp4") and their byte layout ("k3" |
+"paired"); the activation dtype (the inline PTX decodes for bf16 activations only); fused gate/up or not; K (a
 multiple of 256; else at most `_X_RESIDENT_MAX_K_BLOCKS` blocks of 128; else longer) and N
 (>= 256 or narrower). `TUNED` rows are matched in order, "*" matching anything; the first row
 whose platform and class match wins, else `_regime_rule`. The rows were chosen on the GPU at K3's
@@ -18,10 +17,9 @@ power of two covering N (at least 16), halved for the fused gate/up (each progra
 accumulators and streams two weight tiles); block_k halved until it divides K (at least 32),
 except in a row that names K classes, which takes its block_k as it is. In the sparse regime on
 CUDA, MXFP4 weights in a plain K loop whose programs (about min(M, G) row tiles times the column
-blocks) would not fill the GPU split K over up to 4 programs (`_split_k`). Last, paired
-MXFP4 weights on CUDA
-with bf16 activations take "split_asm_t" in every regime: it is the only kernel that decodes
-their bytes there.
+blocks) would not fill the GPU split K over up to 4 programs (bf16 activations, `_split_k`).
+Last, paired MXFP4 weights on CUDA with bf16 activations take "split_asm_t" in every regime: it
+is the only kernel that decodes their bytes there.
 """
 from __future__ import annotations
 
@@ -173,7 +171,8 @@ def default_config(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = Fal
     cls = shape_class(m, g, k, n, quant, glu_, x_dtype=x_dtype, layout=layout)
     pattern, cfg = lookup(platform, cls)
     cfg = _fit(cfg, pattern, k, n, glu_)
-    if platform == "cuda" and cls.regime == "sparse" and quant and not glu_ and cfg.n_per_program == 1:
+    if (platform == "cuda" and cls.regime == "sparse" and quant and cls.x == "bf16" and not glu_
+            and cfg.n_per_program == 1):  # where it was measured
         cfg = dataclasses.replace(cfg, split_k=_split_k(m, g, k, n, cfg))
     if quant and layout == "paired" and platform == "cuda" and cls.x == "bf16":
         cfg = dataclasses.replace(cfg, dequant="split_asm_t")

@@ -431,6 +431,7 @@ def test_default_config_by_platform():
             assert (c.block_n, c.block_k, c.n_per_program, c.x_resident, c.split_k) == \
                 (128, 128, 2, layout == "paired", 1), c
     assert default_config(16, G, K, 384, True, platform="rocm").split_k == 1  # measured on CUDA only
+    assert default_config(16, G, K, 384, True, platform="cuda", x_dtype=jnp.float32).split_k == 1
     assert default_config(16, G, K, 384 // 2, True, True, platform="cuda").split_k == 1  # fused GLU
 
     class _Client:
