@@ -25,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--out", default=None,
                        help="directory for <name>.json (default: benchmarks/results, the "
-                            "committed results that BENCHMARKS.md is made from; with --smoke "
+                            "committed results that BENCHMARKS.md is made from; with --smoke or --lower "
                             f"{SMOKE_OUT}, so a CPU check never replaces a GPU result)")
         p.add_argument("--smoke", action="store_true",
                        help="CPU check of the code paths: tiny shapes, interpret-mode kernels, "
@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     if args.name in ("report", "resources"):
         return importlib.import_module(f"benchmarks.{args.name}").main(args) or 0
     mod = importlib.import_module(f"benchmarks.{BENCHMARKS[args.name]}")
-    args.out = args.out or (SMOKE_OUT if args.smoke else RESULTS)
+    cpu_check = args.smoke or getattr(args, "lower", False)  # --lower: CUDA lowering on the CPU
+    args.out = args.out or (SMOKE_OUT if cpu_check else RESULTS)
     if hasattr(mod, "prepare_env"):  # before JAX starts a backend
         mod.prepare_env(args)
     from .common import Record

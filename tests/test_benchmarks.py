@@ -54,13 +54,16 @@ def test_smoke_run(name, tmp_path):
     report.render(report.load(str(tmp_path)))  # the report reads what the benchmark wrote
 
 
-def test_a_smoke_run_never_writes_the_committed_results():
+@pytest.mark.parametrize("argv", [["attnres", "--smoke"],
+                                  ["mla", "--lower", "--shapes", "16x32768", "--heads", "",
+                                   "--configs", "bf16:default"]], ids=["smoke", "lower"])
+def test_a_cpu_check_never_writes_the_committed_results(argv):
     from benchmarks.__main__ import RESULTS, SMOKE_OUT
 
-    committed = os.path.join(RESULTS, "attnres.json")
+    committed = os.path.join(RESULTS, f"{argv[0]}.json")
     before = open(committed).read() if os.path.exists(committed) else None
-    assert main(["attnres", "--smoke"]) == 0
-    assert os.path.exists(os.path.join(SMOKE_OUT, "attnres.json"))
+    assert main(argv) == 0
+    assert os.path.exists(os.path.join(SMOKE_OUT, f"{argv[0]}.json"))
     assert (open(committed).read() if os.path.exists(committed) else None) == before
 
 
