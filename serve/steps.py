@@ -94,10 +94,14 @@ def verify_step(model: Model, layers, tokens, start, n_new, page_table, seeds, g
     logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tokens, layers, start, n_new,
                                              backend=backend, page_table=page_table, dcp_axes=dcp_axes,
                                              all_positions=True)
-    per_pos = [sample_step(logits[:, t], seeds, gen_idx + t, temperature, top_k, top_p, logprobs)
-               for t in range(T)]
-    samples = jnp.stack([s for s, _ in per_pos], axis=1)
-    lp = tuple(jnp.stack(a) for a in zip(*[p for _, p in per_pos])) if logprobs else None  # [T, B, ..]
+    # every position of every row in one sampling call (rows are independent, each with its own
+    # key), not one call a position: a verify pass's launches then do not grow with the depth
+    per_row = lambda x: jnp.repeat(jnp.asarray(x), T)  # noqa: E731  [B] -> [B * T], row-major
+    flat, lp = sample_step(logits.reshape(B * T, -1), per_row(seeds),
+                           (gen_idx[:, None] + jnp.arange(T, dtype=gen_idx.dtype)).reshape(-1),
+                           per_row(temperature), per_row(top_k), per_row(top_p), logprobs)
+    samples = flat.reshape(B, T)
+    lp = lp and tuple(jnp.swapaxes(a.reshape((B, T) + a.shape[1:]), 0, 1) for a in lp)  # [T, B, ..]
     drafts_ok = (tokens[:, 1:] == samples[:, :-1]) & (jnp.arange(1, T) < n_new[:, None])
     accepted = jnp.sum(jnp.cumprod(drafts_ok.astype(jnp.int32), axis=1), axis=1)
     is_stop = (samples[:, :, None] == stops[:, None, :]).any(-1)  # [B, T]
