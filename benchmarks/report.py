@@ -20,6 +20,7 @@ RESULTS = os.path.join(HERE, "results")
 OUTPUT = os.path.join(os.path.dirname(HERE), "BENCHMARKS.md")
 ORDER = ["kda", "mla", "mla-prefill", "moe", "attnres", "dense", "engine", "sharded"]  # others follow by name
 TIME_UNITS = ("ns", "us", "ms", "s")
+META = ("date", "device", "commit", "command")  # where a row comes from
 
 PREAMBLE = """# Benchmarks
 
@@ -76,11 +77,15 @@ def render(runs: list[dict]) -> str:
             if command not in commands:
                 commands.append(command)
             metas.append((meta["date"], meta["device"], meta["commit"], f"({commands.index(command) + 1})"))
-        shared = len(set(metas)) == 1  # one run made every row: say where once, under the heading
+        # what every row shares is said once, under the heading; what differs gets a column
+        varies = [len({m[i] for m in metas}) > 1 for i in range(len(META))]
+        shared = [f"{'commit ' if name == 'commit' else 'command ' if name == 'command' else ''}{metas[0][i]}"
+                  for i, name in enumerate(META) if not varies[i]]
         if shared:
-            out.append("{}, {}, commit {}, command {}\n".format(*metas[0]))
-        out.append("| shape | ours | peer | ratio | % of limit |" + ("" if shared else " date | device | commit | command |"))
-        out.append("|---|---|---|---|---|" + ("" if shared else "---|---|---|---|"))
+            out.append(", ".join(shared) + "\n")
+        extra = [name for name, v in zip(META, varies) if v]
+        out.append("| shape | ours | peer | ratio | % of limit |" + "".join(f" {n} |" for n in extra))
+        out.append("|---|---|---|---|---|" + "---|" * len(extra))
         for (run, r), meta in zip(rows, metas):
             unit = r["unit"]
             peer = "-" if r["peer"] is None else f"{_num(r['peer'])} {unit}" + (
@@ -90,7 +95,7 @@ def render(runs: list[dict]) -> str:
                                            r.get("note", "")])) or "-"
             ours = "-" if r["ours"] is None else f"{_num(r['ours'])} {unit}"
             out.append(f"| {r['shape']} | {ours} | {peer} | {'-' if x is None else f'{x:.2f}x'} | {limit} |"
-                       + ("" if shared else " {} | {} | {} | {} |".format(*meta)))
+                       + "".join(f" {m} |" for m, v in zip(meta, varies) if v))
         out.append("")
     out.append("## Commands\n")
     out += [f"({i + 1}) `{c}`  " for i, c in enumerate(commands)]
