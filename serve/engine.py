@@ -38,7 +38,7 @@ from .speculation import Speculator, Stopwatch
 from .spec_cycle import SpeculativeCycle
 from .queued_decode import DecodeCall, QueuedDecode
 from .request import Request, SamplingParams
-from .steps import STOP_SLOTS, decode_steps, mixed_step
+from .steps import STOP_SLOTS, compile_idle, compiled_programs, decode_steps, mixed_step
 
 
 MIN_PREFILL_WIDTH = 64  # narrower calls are launch-bound: a few more widths would only add compiles
@@ -203,6 +203,26 @@ class Engine(QueuedDecode, SpeculativeCycle):
 
     def __exit__(self, *exc):
         self.close()
+
+    def warmup(self, logprobs: bool = False) -> int:
+        """Compile what steady serving runs (each prefill width, the decode calls, each speculative
+        depth's verify pass; with `logprobs`, their logprob variants too) before the first
+        request, as servers capture their graphs at start-up: no request then waits for a compile
+        and speculation's first cycles are timed, not compiled. Returns how many programs were
+        compiled (0 where this process already holds them)."""
+        self._check_open()
+        if self.has_work():
+            raise RuntimeError("Engine.warmup runs before the first request: call it right after Engine(...)")
+        before = compiled_programs()
+        depths = [k for k in (self.spec.depths if self.spec is not None else ()) if k]
+        for lp in sorted({False, logprobs}):
+            with mesh_context(self.mesh):
+                lengths = sorted({self.decode_steps} | ({1} if depths else set()))  # 1: a cycle without drafts
+                self.layers = compile_idle(self.model, self.layers, self.max_batch, self.prefill_widths,
+                                           lengths, depths, self.pages_per_seq,
+                                           self.backend, self.dcp_axes, lp)
+        jax.block_until_ready(self.layers)
+        return compiled_programs() - before
 
     @property
     def running(self) -> list[Request]:

@@ -66,12 +66,15 @@ def engine_factory(args):
     settle_heap()
     dcp_axes = ("dcp",) if args.dcp > 1 else ()
 
-    def factory(replica=None):
+    def factory(replica=None, warm: bool = False):
         weights = model if replica is None else model.replace(params=on_replica(model.params, replica))
-        return Engine(weights, max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                      num_pages=args.num_pages, prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
-                      tokenizer=tokenizer, dcp_axes=dcp_axes, speculative=args.speculative,
-                      num_speculative_tokens=args.num_speculative_tokens, **cache_kwargs(args))
+        engine = Engine(weights, max_batch=args.max_batch, max_seq_len=args.max_seq_len, page_size=args.page_size,
+                        num_pages=args.num_pages, prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
+                        tokenizer=tokenizer, dcp_axes=dcp_axes, speculative=args.speculative,
+                        num_speculative_tokens=args.num_speculative_tokens, **cache_kwargs(args))
+        if warm:  # every process of a replica in the same order: the programs' collectives meet
+            engine.warmup()
+        return engine
 
     if getattr(args, "data_parallel", 1) == 1:
         factory()  # engine settings are checked now, before anything is served
@@ -92,6 +95,10 @@ def add_parser(subparsers):
     p.add_argument("--batch-window-ms", type=float, default=10.0,
                    help="how long an idle engine woken by a request waits for the rest of a burst, so the "
                         "burst prefills in one step (until 1/5 of it passes with no request; 0: step at once)")
+    p.add_argument("--warmup", action="store_true",
+                   help="compile every program serving runs (prefill widths, decode calls, speculative depths) "
+                        "before listening, so no request waits for a compile (with --compilation-cache a "
+                        "later start loads them)")
     add_data_parallel_flag(p)  # process 0 serves HTTP and dispatches to the replicas
     add_process_flags(p)  # process 0 serves HTTP; the others step their engines with it
     p.set_defaults(run=_serve)
@@ -173,9 +180,9 @@ def _start_replicas(args, factory, mesh, AsyncEngine):
         followers = Messages(f"serve/replica{index}", sender=leader, receivers=[p for p in group if p != leader])
         if me != leader:
             print(f"kimik3 serve: process {me} following process {leader} (replica {index})", file=sys.stderr)
-            follow(factory(r), followers)
+            follow(factory(r, args.warmup), followers)
             return None
-        engines[index] = AsyncEngine(factory(r), max_waiting=args.max_waiting,
+        engines[index] = AsyncEngine(factory(r, args.warmup), max_waiting=args.max_waiting,
                                      followers=followers if len(group) > 1 else None,
                                      batch_window_s=args.batch_window_ms / 1e3)
     if me != 0:

@@ -1,12 +1,13 @@
 """The engine's jitted device steps: one mixed step (chunked prefill rows + decode rows) and a
 multi-step decode loop that samples on device, so several tokens cost one host round trip, and
-the speculative verify step."""
+the speculative verify step, and `compile_idle`, which runs each once on idle rows (Engine.warmup)."""
 from __future__ import annotations
 
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kimik3.layers.kda import keep_positions
 from kimik3.model import KimiLM, Model
@@ -119,3 +120,28 @@ def compiled_programs() -> int:
     nothing and is timed from its first call."""
     return sum(f._cache_size() for f in (mixed_step, decode_steps, verify_step))
 
+
+def compile_idle(model: Model, layers, batch: int, widths, decode_lengths, depths, pages_per_seq: int,
+                 backend=None, dcp_axes=(), logprobs: bool = False):
+    """Run every program steady serving uses once on idle rows (no row feeds a token), so each is
+    compiled before a request needs it: the mixed step at each prefill width, the decode call at
+    each length, the verify pass at each speculative depth. Idle rows leave the KDA states as
+    they were and write no MLA position a request reads before writing it (a slot's state is
+    reset, or restored, when a request takes it). The arguments have the dtypes the engine
+    passes, so its calls find these programs. Returns the layers."""
+    B = batch
+    z = np.zeros(B, np.int32)
+    stops = np.full((B, STOP_SLOTS), -1, np.int32)
+    # the keywords the engine passes: a call's jit cache key includes which arguments are keywords
+    common = dict(page_table=np.zeros((B, pages_per_seq), np.int32), seeds=np.zeros(B, np.uint32), gen_idx=z,
+                  temperature=np.zeros(B, np.float32), top_k=z, top_p=np.ones(B, np.float32), backend=backend,
+                  dcp_axes=dcp_axes, logprobs=logprobs)
+    for T in widths:
+        *_, layers = mixed_step(model, layers, np.zeros((B, T), np.int32), z, z, np.zeros(B, bool), **common)
+    for steps in decode_lengths:
+        *_, layers = decode_steps(model, layers, z, z, z, stops=stops, limit=z, steps=steps, **common)
+    for k in depths:
+        *_, layers = verify_step(model, layers, np.zeros((B, k + 1), np.int32), z, z, common["page_table"],
+                                 common["seeds"], z, common["temperature"], z, common["top_p"], stops,
+                                 backend=backend, dcp_axes=dcp_axes, logprobs=logprobs)
+    return layers

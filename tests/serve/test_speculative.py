@@ -373,3 +373,26 @@ def test_a_trained_model_accepts_the_ngram_drafts_of_a_code_edit():
     assert eng.generate(prompts, max_new_tokens=40, stop_tokens=[]) == plain
     stats = eng.stats()
     assert stats["spec_acceptance"] > 0.4 and stats["spec_accepted_tokens"] >= 20, stats
+
+
+def test_warmup_compiles_every_program_serving_runs(model):
+    """Engine.warmup compiles the prefill widths, the decode calls and every depth's verify pass
+    (plain and with logprobs) on idle rows: requests of every prompt length, speculation at each
+    depth and logprobs then compile nothing, and give the tokens of an engine that did not warm up."""
+    from serve.steps import compiled_programs
+
+    kw = dict(max_batch=2, max_seq_len=80, page_size=8, prefill_chunk=64, decode_steps=2, prefix_cache=False)
+    prompts = [list(range(1, 70)), [5, 6, 7], _repetitive_prompts(1, 3)[0]]  # widths 64 and 16
+    params = [SamplingParams(max_new_tokens=9, temperature=0.7 * (i % 2), seed=i, stop_tokens=(),
+                             return_logprobs=i == 2, top_logprobs=2 * (i == 2)) for i in range(3)]
+    want = Engine(model, **kw).generate(prompts, params=params)
+    for depth in (2, 3):  # 3: a depth "auto" never chooses, so only warmup compiles it
+        eng = Engine(model, **kw, speculative=NgramDrafter(min_n=1), num_speculative_tokens=depth)
+        assert eng.warmup(logprobs=True) > 0
+        before = compiled_programs()
+        got = eng.generate(prompts, params=params)
+        assert compiled_programs() == before
+        assert [list(c) for c in got] == [list(c) for c in want]
+        assert eng.stats()["spec_draft_tokens"] > 0
+        with pytest.raises(RuntimeError, match="before the first request"):
+            eng.submit([1, 2]) and eng.warmup()
