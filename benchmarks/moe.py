@@ -419,7 +419,7 @@ def layer_gmm_section(run, ctx, token_list, shapes):
                         ent["ms"], "ms", peer=c["ent"].get("torch_grouped_mm", {}).get("ms"),
                         peer_name="torch._grouped_mm",
                         limit_pct=ent["pct_copy"] if decode else ent["pct_mm"],
-                        note="% of copy" if decode else "% of bf16 matmul peak")
+                        note="of copy" if decode else "of bf16 matmul peak")
 
         def glu_ref(t):
             y = peers.get(t)
@@ -688,7 +688,7 @@ def layer_section(run, ctx, token_list, formats, glu_modes=("unfused",)):
                 decode = t * k / E < 24
                 run.row("MoE layer, moe_apply at K3 dims (GPU kernel time)", f"{t} tokens, {name} experts",
                         ent["ms"], "ms", limit_pct=ent["pct_copy"] if decode else ent["pct_mm"],
-                        note="% of copy (all weight bytes)" if decode else "% of bf16 matmul peak")
+                        note="of copy (all weight bytes)" if decode else "of bf16 matmul peak")
     p = outs = None  # noqa: F841
 
 
