@@ -25,6 +25,7 @@ that differ, and where, are recorded (on the GPU the verify pass's kernels round
 step's, so a near-tie can flip a greedy choice).
 
     python -m benchmarks speculative [--batches 1,16,64] [--new-tokens 192] [--workloads random,code]
+        [--spec-depth auto|K] [--profile]
     python -m benchmarks speculative --smoke     # CPU: the tiny preset
 """
 from __future__ import annotations
@@ -41,7 +42,9 @@ from serve import Engine, SamplingParams
 from serve.drafters import ModelDrafter
 from serve.launch import settle_heap
 from .common import choices_arg, ints_arg
+from .engine_metrics import busy_ns
 from .k3_slice import k3_slice
+from .kernel_timer import trace_events
 
 
 def add_args(p):
@@ -49,6 +52,11 @@ def add_args(p):
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per row (default 192)")
     p.add_argument("--prompt-len", type=int, default=None, help="length of P (default 128; smoke 24)")
     p.add_argument("--depth", type=int, default=12, help="layers of the K3 slice")
+    p.add_argument("--spec-depth", type=lambda v: v if v == "auto" else int(v), default="auto",
+                   help='num_speculative_tokens: "auto" (the controller) or a fixed depth 1..7')
+    p.add_argument("--profile", action="store_true",
+                   help="second pass: wall time, GPU busy time and launches of a few engine steps "
+                        "(a cycle each, or a plain decode call), per committed token")
     p.add_argument("--workloads", type=choices_arg(*WORKLOADS), default=list(WORKLOADS),
                    help=f"which workloads to run, of {','.join(WORKLOADS)} (default all)")
 
@@ -81,13 +89,34 @@ class FreeTargetDrafter(ModelDrafter):
         return out
 
 
-def decode(model, B, prompts, params, speculative, max_seq_len):
+PROFILED_STEPS = 4
+
+
+def step_profile(eng, reqs):
+    """Wall time of PROFILED_STEPS engine steps, then the GPU kernels of as many more under the
+    profiler: per committed token, wall us, GPU busy us and launches (None off the GPU)."""
+    done = lambda: sum(len(r.output) for r in reqs)  # noqa: E731
+    before, t = done(), time.perf_counter()
+    for _ in range(PROFILED_STEPS):
+        eng.step()
+    wall_tokens, wall = done() - before, time.perf_counter() - t
+    before = done()
+    events = trace_events(lambda: [eng.step() for _ in range(PROFILED_STEPS)], reps=1, sync=lambda _: None)
+    traced = done() - before  # trace_events runs one untraced call first: 2 x PROFILED_STEPS steps
+    if events is None or not wall_tokens or not traced:
+        return None
+    per = 2 / traced
+    return dict(wall_us_per_token=1e6 * wall / wall_tokens, gpu_busy_us_per_token=busy_ns(events) / 1e3 * per,
+                launches_per_token=len(events) * per, tokens_per_step=wall_tokens / PROFILED_STEPS)
+
+
+def decode(model, B, prompts, params, speculative, max_seq_len, depth="auto", profile=False):
     """The prompts decoded twice on one engine, each pass prefilled and then timed to the end:
     [(outputs, decode seconds, committed decode tokens, stats)] for the first pass (a fresh
     controller, which must time the depths it tries) and the second (as a running server's
     controller, which has timed them on earlier requests)."""
     eng = Engine(model, max_batch=B, max_seq_len=max_seq_len, page_size=64, prefill_chunk=256,
-                 decode_steps=8, speculative=speculative, prefix_cache=False)
+                 decode_steps=8, speculative=speculative, num_speculative_tokens=depth, prefix_cache=False)
     eng.warmup()  # every depth's verify pass compiled before anything is timed
     drafter = eng.spec.drafter if eng.spec is not None else None
     passes = []
@@ -103,7 +132,17 @@ def decode(model, B, prompts, params, speculative, max_seq_len):
             eng.step()
         jax.block_until_ready(eng.layers)
         secs = time.perf_counter() - t - (getattr(drafter, "seconds", 0.0) - left_out)
-        passes.append(([list(r.output) for r in reqs], secs, sum(len(r.output) for r in reqs) - before, eng.stats()))
+        stats = eng.stats()
+        if profile and first_id:  # a pass of its own: the profiler's time stays out of the timed one
+            more = [eng.submit(p, sp, request_id=2 * first_id + i) for i, (p, sp) in enumerate(zip(prompts, params))]
+            while eng.waiting or any(r.fed < len(r.prompt) for r in eng.running):
+                eng.step()
+            for _ in range(2):  # past the first calls of the decode
+                eng.step()
+            stats["step_profile"] = step_profile(eng, more)
+            while eng.has_work():
+                eng.step()
+        passes.append(([list(r.output) for r in reqs], secs, sum(len(r.output) for r in reqs) - before, stats))
     return passes
 
 
@@ -113,7 +152,7 @@ def divergence(a, b):
             for i, (r, s) in enumerate(zip(a, b)) if r != s}
 
 
-def case(rec, model, B, workload, n_new, plen, rng):
+def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False):
     V = model.cfg.vocab_size
     prompts = (code_edit_prompts(model, B, 4 * plen) if workload == "code"
                else [list(map(int, rng.randint(0, V, plen))) for _ in range(B)])
@@ -126,7 +165,7 @@ def case(rec, model, B, workload, n_new, plen, rng):
               for i in range(B)]
     runs = {}
     for spec in (None, drafter):
-        runs[spec is None] = decode(model, B, prompts, params, spec and spec(), max_len)
+        runs[spec is None] = decode(model, B, prompts, params, spec and spec(), max_len, depth, profile)
     tps = {}
     for i, name in enumerate(("cold", "warm")):
         (plain, t_plain, n_plain, _), (ours, t_spec, n_spec, stats) = runs[True][i], runs[False][i]
@@ -142,12 +181,21 @@ def case(rec, model, B, workload, n_new, plen, rng):
                 f"acceptance {acc}, rows differing {len(differ)}/{B} {differ}")
     # the row: the warm controller's pass (a server's steady state); the fresh one's in the note
     spec_tps, plain_tps = tps["warm"]
-    area = f"Speculative decoding, {drafter_name} drafts, auto depth"
+    area = f"Speculative decoding, {drafter_name} drafts, " + ("auto depth" if depth == "auto" else f"depth {depth}")
     cold = tps["cold"][0] / tps["cold"][1]
     rec.row(area + (", trained tiny-code model" if workload == "code" else ""), f"B{B} {workload}",
             spec_tps, "tokens/s", peer=plain_tps, peer_name="plain",
             note=f"depth {stats['spec_depth']}, acceptance {0 if acc is None else acc:.2f}, "
-                 f"{len(differ)}/{B} rows differ; fresh controller {cold:.2f}x")
+                 f"{len(differ)}/{B} rows differ; fresh controller {cold:.2f}x" + profile_note(runs))
+
+
+def profile_note(runs) -> str:
+    """Per token, wall vs GPU busy time of speculation's steps and plain decoding's (--profile)."""
+    profs = [runs[plain][1][3].get("step_profile") for plain in (False, True)]
+    if not all(profs):
+        return ""
+    return "; us/token wall/GPU: spec " + ", plain ".join(
+        f"{p['wall_us_per_token']:.0f}/{p['gpu_busy_us_per_token']:.0f}" for p in profs)
 
 
 def run(rec, args):
@@ -164,4 +212,5 @@ def run(rec, args):
     for B in batches:
         for workload in args.workloads:
             model = code_model if workload == "code" else slice_model
-            rec.guard(f"B{B} {workload}", case, rec, model, B, workload, n_new, plen, rng)
+            rec.guard(f"B{B} {workload}", case, rec, model, B, workload, n_new, plen, rng, args.spec_depth,
+                      args.profile)

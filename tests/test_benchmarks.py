@@ -102,3 +102,16 @@ def test_engine_prefill_flops_count_linear_attention_and_kda():
     lm = 2 * cfg.hidden_size * cfg.vocab_size  # lm_head: the last token only
     assert two["linear"] - lm == 2 * (one["linear"] - lm) and two["kda"] == 2 * one["kda"]
     assert two["mla"] == one["mla"] * (128 * 129) // (64 * 65)  # causal pairs
+
+
+def test_speculative_smoke_at_a_fixed_depth_with_the_step_profile(tmp_path):
+    """Two passes per engine (a fresh controller's, then one that has timed its depths), the row
+    from the second; --spec-depth fixes the depth; --profile records each engine's steps (GPU
+    busy time and launches only where the trace has a GPU plane)."""
+    argv = ["speculative", "--smoke", "--workloads", "random", "--spec-depth", "2", "--profile",
+            "--new-tokens", "12", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    run = json.load(open(tmp_path / "speculative.json"))
+    assert run["errors"] == {} and [r["area"] for r in run["rows"]] == ["Speculative decoding, n-gram drafts, depth 2"]
+    assert [c["controller"] for c in run["details"]["cases"]] == ["cold", "warm"]
+    assert all("step_profile" in c and c["rows_differing"] == 0 for c in run["details"]["cases"][1:])
