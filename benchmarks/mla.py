@@ -196,7 +196,7 @@ CHECKS = [   # (B, Tq, H, lengths, dtype, scale kind, cfg, page size)
     (2, 4, 16, [2000, 100], "fp8w", "tensor", dict(fp8_upcast="words_int"), PAGE),
     (3, 1, 12, [5000, 129, 63], "fp8w", "token", dict(load="token"), 16),
     (2, 1, 16, [5000, 77], "fp8w", "token", dict(num_warps=8, fp8_upcast="words_int"), PAGE),
-    (2, 4, 16, [3001, 64], "fp8w", "token", dict(num_stages=4), PAGE),
+    (2, 4, 16, [3001, 64], "fp8w", "token", dict(num_stages=2), PAGE),  # (4 stages: 285 KiB, over an SM)
     (2, 1, 128, [5000, 77], "fp8w", "token", {}, PAGE),
     (4, 1, 16, [8191, 1, 0, 3000], "fp8w", "token", dict(fp8_upcast="words", split_qk_acc=False),
      PAGE),
