@@ -277,12 +277,13 @@ def test_a_failing_engine_step_fails_its_requests_not_the_server(served):
     engine.check_pages()
 
 
-@pytest.mark.parametrize("mesh", [["--tensor", "8"], ["--data-parallel", "2", "--tensor", "4"]], ids=["tp8", "dp2_tp4"])
+@pytest.mark.parametrize("mesh", [["--tensor", "8", "--warmup"], ["--data-parallel", "2", "--tensor", "4"]],
+                         ids=["tp8_warmup", "dp2_tp4"])
 def test_two_processes_serve_one_mesh(model, mesh):
     """`kimik3 serve` over 2 processes x 4 CPU devices, TP8 or 2 data-parallel replicas of TP4:
     process 0 answers HTTP; with TP8 process 1 steps its engine with process 0's submissions and
-    cancellations, with replicas process 0 dispatches requests to its own engine and to process
-    1's. Concurrent greedy requests, one cancelled by a client disconnect mid-stream and one sent
+    cancellations (after both compiled their programs with --warmup, in step), with replicas
+    process 0 dispatches requests to its own engine and to process 1's. Concurrent greedy requests, one cancelled by a client disconnect mid-stream and one sent
     after it, get the one-device tokens; SIGINT to process 0 ends both cleanly."""
     port, http = free_port(), free_port()
     cmd = [sys.executable, "-m", "serve", "serve", "--model", "tiny", *mesh, "--port", str(http),
