@@ -20,7 +20,7 @@ and KDA's chunked delta rule: engine_metrics.prefill_flops says what is counted)
 of the bf16 matmul peak of a large jnp.dot measured in the same run.
 
     python -m benchmarks engine [--depth 12] [--mode decode,prefill] [--batches 1,16,64,256]
-        [--profile] [--mla-cache auto,fp8] [--prompt-len 16] [--prefill-lens 8192,32768]
+        [--profile [--name-kernels]] [--mla-cache auto,fp8] [--prompt-len 16] [--prefill-lens 8192,32768]
         [--ttft-chunk 4096]
     python -m benchmarks engine --mode decode --batches 1,16,64 --profile
     python -m benchmarks engine --mode prefill
@@ -28,6 +28,8 @@ of the bf16 matmul peak of a large jnp.dot measured in the same run.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
 import jax
@@ -36,11 +38,12 @@ import numpy as np
 import kimik3
 from serve import Engine, SamplingParams
 from .common import choices_arg, ints_arg, jax_copy_Bps, names_arg, torch_copy_Bps_subprocess
-from .engine_metrics import decode_profile, jax_matmul_flops, prefill_flops, profile_note
+from .engine_metrics import decode_profile, hlo_names, jax_matmul_flops, prefill_flops, profile_note
 from .k3_slice import k3_slice
 
 STEPS, CALLS, PROFILE_CALLS = 8, 4, 4  # decode tokens a call, timed calls, profiled calls
 TORCH_BW = None  # torch's copy rate (the issue's targets also quote it), set by prepare_env
+HLO_DUMP = None  # where XLA dumps the decode programs (--name-kernels), set by prepare_env
 
 
 def add_args(p):
@@ -51,6 +54,9 @@ def add_args(p):
     p.add_argument("--profile", action="store_true",
                    help="decode: per-token GPU time by kernel category from the JAX profiler "
                         "(on with --smoke, where the CPU trace has no GPU plane and it is skipped)")
+    p.add_argument("--name-kernels", action="store_true",
+                   help="with --profile: the top 40 kernels, each named by the XLA fusion it is and the jax "
+                        "op it came from (XLA's optimized HLO, dumped to a temporary folder)")
     p.add_argument("--mla-cache", type=names_arg, default=["auto"],
                    help='MLA cache dtypes, each in turn for decode ("fp8": e4m3 words); prefill '
                         "uses the last")
@@ -65,8 +71,13 @@ def add_args(p):
 
 
 def prepare_env(args):
-    """torch's copy bandwidth in a subprocess, before this process's JAX takes the GPU."""
-    global TORCH_BW
+    """torch's copy bandwidth in a subprocess, before this process's JAX takes the GPU; with
+    --name-kernels, XLA told to dump the decode programs' optimized HLO."""
+    global TORCH_BW, HLO_DUMP
+    if args.name_kernels:
+        HLO_DUMP = tempfile.mkdtemp(prefix="kimik3-hlo-")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={HLO_DUMP} "
+                                   "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_steps.*").strip()
     if not args.smoke and "decode" in args.mode:
         TORCH_BW = torch_copy_Bps_subprocess()
 
@@ -175,7 +186,9 @@ def decode(rec, args, bw, slices):
                        fraction_of_torch_copy_roofline=torch_bw and nbytes / torch_bw / dt)
             note = f"{B / dt:.0f} tokens/s"
             if profile:
-                prof = decode_profile(eng, dt * 1e6, reps=PROFILE_CALLS)
+                prof = decode_profile(eng, dt * 1e6, reps=PROFILE_CALLS, top=40 if HLO_DUMP else 12)
+                if prof and HLO_DUMP:
+                    prof["top_kernels_hlo"] = hlo_names(HLO_DUMP, prof["top_kernels_us"])
                 run["profile"] = prof or "skipped: the trace has no GPU plane (CPU)"
                 if prof:
                     note += "; " + profile_note(prof)

@@ -2,7 +2,10 @@
 of a decode step, the FLOPs of a prefill and the dense bf16 matmul peak they are compared with."""
 from __future__ import annotations
 
-from collections import defaultdict
+import glob
+import os
+import re
+from collections import Counter, defaultdict
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +51,7 @@ def busy_ns(events) -> int:
     return total
 
 
-def decode_profile(eng, step_us: float, reps: int = 4):
+def decode_profile(eng, step_us: float, reps: int = 4, top: int = 12):
     """Where a decode token's GPU time goes: `reps` engine decode calls under the profiler, kernel
     time per token by category (us), launches per token, and host_gap = step_us (the untraced
     wall time a token) - GPU busy time a token. None where the trace has no GPU plane (CPU)."""
@@ -71,10 +74,43 @@ def decode_profile(eng, step_us: float, reps: int = 4):
         by_kernel[name] += dur / 1e3 / tokens
     busy = busy_ns(events) / 1e3 / tokens
     cats["host_gap"] = max(step_us - busy, 0.0)
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
     return dict(us_per_token=cats, gpu_busy_us=busy, kernel_us=sum(by_kernel.values()),
                 launches_per_token=len(events) / tokens,
                 top_kernels_us={k[:90]: round(v, 1) for k, v in top})
+
+
+def hlo_names(dump_dir: str, kernels) -> dict:
+    """What XLA fusion each GPU kernel name is, from the newest decode program in an
+    `--xla_dump_to` folder (optimized HLO text): {kernel: "kind shape [its ops] <- jax op"}. A
+    kernel name is its fusion's HLO name with "." as "_" (a "__N" suffix: its N-th copy)."""
+    files = glob.glob(os.path.join(dump_dir, "*decode_steps*after_optimizations.txt"))
+    if not files:
+        return {}
+    text = open(max(files, key=os.path.getmtime)).read()
+    computations, fusions, current = {}, {}, None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head:
+            current = computations.setdefault(head.group(1), [])
+            continue
+        inst = re.match(r"^\s+(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(", line)
+        if inst and current is not None:
+            name, shape, op = inst.groups()
+            current.append(op)
+            calls, op_name = re.search(r"calls=%?([\w.\-]+)", line), re.search(r'op_name="([^"]+)"', line)
+            kind = re.search(r"kind=(\w+)", line)
+            fusions.setdefault(re.sub(r"[.\-]", "_", name), (
+                kind.group(1) if kind else op, shape, calls and calls.group(1), op_name and op_name.group(1)))
+    out = {}
+    for k in kernels:
+        hit = fusions.get(re.sub(r"__\d+$", "", k))
+        if hit:
+            kind, shape, calls, op_name = hit
+            ops = Counter(o for o in computations.get(calls, []) if o != "parameter")
+            body = ",".join(f"{o}x{n}" for o, n in ops.most_common(5))
+            out[k] = f"{kind} {shape} [{body}] <- {(op_name or '?')[-120:]}"
+    return out
 
 
 def profile_note(prof) -> str:

@@ -115,3 +115,24 @@ def test_speculative_smoke_at_a_fixed_depth_with_the_step_profile(tmp_path):
     assert run["errors"] == {} and [r["area"] for r in run["rows"]] == ["Speculative decoding, n-gram drafts, depth 2"]
     assert [c["controller"] for c in run["details"]["cases"]] == ["cold", "warm"]
     assert all("step_profile" in c and c["rows_differing"] == 0 for c in run["details"]["cases"][1:])
+
+
+def test_engine_kernels_named_from_the_optimized_hlo(tmp_path):
+    from benchmarks.engine_metrics import hlo_names
+
+    (tmp_path / "module_0040.jit_decode_steps.sm_9.0a_gpu_after_optimizations.txt").write_text("""\
+%fused_computation.83 (param_0.1: u32[2,320]) -> u32[2,320] {
+  %param_0.1 = u32[2,320]{1,0} parameter(0)
+  %broadcast.1 = u32[2,320]{1,0} broadcast(u32[] %c), dimensions={}
+  ROOT %add.1 = u32[2,320]{1,0} add(%param_0.1, %broadcast.1)
+}
+
+ENTRY %main.1 (p: u32[2,320]) -> u32[2,320] {
+  %p = u32[2,320]{1,0} parameter(0)
+  ROOT %broadcast_add_fusion.5 = u32[2,320]{1,0} fusion(%p), kind=kLoop, calls=%fused_computation.83, metadata={op_name="jit(decode_steps)/while/body/add" stack_frame_id=576}
+}
+""")
+    want = "kLoop u32[2,320]{1,0} [broadcastx1,addx1] <- jit(decode_steps)/while/body/add"
+    assert hlo_names(str(tmp_path), ["broadcast_add_fusion_5", "broadcast_add_fusion_5__1", "moe_gmm"]) == {
+        "broadcast_add_fusion_5": want, "broadcast_add_fusion_5__1": want}
+    assert hlo_names(str(tmp_path / "none"), ["x"]) == {}
