@@ -206,10 +206,11 @@ class Engine(QueuedDecode, SpeculativeCycle):
 
     def warmup(self, logprobs: bool = False) -> int:
         """Compile what steady serving runs (each prefill width, the decode calls, each speculative
-        depth's verify pass; with `logprobs`, their logprob variants too) before the first
-        request, as servers capture their graphs at start-up: no request then waits for a compile
-        and speculation's first cycles are timed, not compiled. Returns how many programs were
-        compiled (0 where this process already holds them)."""
+        depth's verify pass, the prefix cache's state and page copies; with `logprobs`, the
+        steps' logprob variants too) before the first request, as servers capture their graphs
+        at start-up: no request then waits for a compile and speculation's first cycles are
+        timed, not compiled. Returns how many of the steps' programs were compiled (0 where this
+        process already holds them)."""
         self._check_open()
         if self.has_work():
             raise RuntimeError("Engine.warmup runs before the first request: call it right after Engine(...)")
@@ -221,6 +222,8 @@ class Engine(QueuedDecode, SpeculativeCycle):
                 self.layers = compile_idle(self.model, self.layers, self.max_batch, self.prefill_widths,
                                            lengths, depths, self.pages_per_seq,
                                            self.backend, self.dcp_axes, lp)
+        if self.prefix is not None:
+            self.prefix.compile_ops()
         jax.block_until_ready(self.layers)
         return compiled_programs() - before
 

@@ -445,6 +445,13 @@ class PrefixCache:
             self.index.unlink(n)
 
     # ---- reporting and invariants ----
+    def compile_ops(self):
+        """Run the device copies a hit and a checkpoint make (a slot's state out and back in, a
+        page onto itself) as no-ops, so they are compiled before serving (Engine.warmup)."""
+        eng = self.eng
+        eng.layers = write_state(eng.layers, 0, read_state(eng.layers, 0))
+        eng.layers = copy_page(eng.layers, 0, 0)
+
     def stats(self) -> dict:
         c = self.counts
         return {"prompt_tokens": c["prompt_tokens"], "prefix_hit_tokens": c["prefix_hit_tokens"],

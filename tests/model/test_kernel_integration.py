@@ -19,7 +19,14 @@ def test_mla_decode_layer_on_the_kernel():
     n_new = jnp.array([1, 1, 0], jnp.int32)  # the last row is an idle slot
     ref, ref_cache = layer.apply(params, x, cache, start, n_new, backend="reference")
     out, out_cache = layer.apply(params, x, cache, start, n_new, backend="interpret")
-    np.testing.assert_array_equal(ref_cache["latent"], out_cache["latent"])
+    # the written entries come from the projections, whose K sums the two paths order differently
+    # (XLA:CPU's blocking follows the host's caches): close, and every other entry left as it was
+    np.testing.assert_allclose(out_cache["latent"], ref_cache["latent"], rtol=1e-5, atol=1e-5)
+    written = np.zeros((B, S), bool)
+    written[0, 0] = written[1, 70] = True  # row 2 is idle
+    for c in (ref_cache, out_cache):
+        np.testing.assert_array_equal(np.asarray(c["latent"])[~written], np.asarray(cache["latent"])[~written])
+        assert not np.array_equal(np.asarray(c["latent"])[written], np.asarray(cache["latent"])[written])
     err = jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))
     assert err < 1e-4, err
 

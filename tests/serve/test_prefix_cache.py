@@ -325,3 +325,20 @@ def test_sessions_on_tp_and_dcp_meshes(model, reference):
                                     num_pages=40, host_cache_bytes=1 << 22)
     assert outs == {k: v for k, v in want.items() if k[0] < 6 and k[1] < 3}
     assert eng.stats()["prefix_hit_tokens"] > 0
+
+
+def test_warmup_compiles_the_state_and_page_copies(model):
+    """Engine.warmup runs the prefix cache's device copies as no-ops: checkpoints and a hit then
+    compile none of them, and the warmed engine gives the tokens of a cold one."""
+    from serve import cache_ops
+
+    ops = (cache_ops.read_state, cache_ops.write_state, cache_ops.copy_page)
+    kw = dict(max_batch=2, max_seq_len=64, page_size=8, prefill_chunk=32, decode_steps=2, cache_block=8)
+    prompts = [list(range(1, 21)), list(range(1, 21)) + [7, 8, 9]]
+    want = [Engine(model, **kw).generate([p], max_new_tokens=3)[0] for p in prompts]
+    eng = Engine(model, **kw)
+    eng.warmup()
+    sizes = [f._cache_size() for f in ops]
+    assert [eng.generate([p], max_new_tokens=3)[0] for p in prompts] == want
+    assert eng.stats()["prefix_hit_tokens"] > 0
+    assert [f._cache_size() for f in ops] == sizes
