@@ -16,13 +16,13 @@ with the depth the controller settled on and the measurements behind it.
   of held-out standard-library code from its first line, greedy, with the n-gram drafter: a code
   edit with a model whose choices are not near-ties, so acceptance is the drafts' and the model's
   own (a random-weight model's verify pass flips near-ties its decode step does not).
-Each engine decodes the prompts twice, the second time as new requests: the first pass has a
-fresh depth controller, which must time the depths it tries on these very requests; the second
-runs as a server's controller does, on cycle times measured on earlier requests. The rows give
-the second pass against plain decoding's second pass, the first pass's ratio in the note (both
-in the details). Outputs with speculation should equal plain decoding's (same seeds); the rows
-that differ, and where, are recorded (on the GPU the verify pass's kernels round differently from the decode
-step's, so a near-tie can flip a greedy choice).
+Each engine is warmed up (Engine.warmup), then decodes the prompts twice, the second time as new
+requests: the first pass has a fresh depth controller, which must time the depths it tries on
+these very requests; the second runs as a server's controller does, on cycle times measured on
+earlier requests. The rows give the second pass against plain decoding's second pass, the first
+pass's ratio in the note (both in the details). Outputs with speculation should equal plain
+decoding's (same seeds); the rows that differ, and where, are recorded (on the GPU the verify
+pass's kernels round differently from the decode step's, so a near-tie can flip a greedy choice).
 
     python -m benchmarks speculative [--batches 1,16,64] [--new-tokens 192] [--workloads random,code]
         [--spec-depth auto|K] [--profile]
@@ -30,6 +30,7 @@ step's, so a near-tie can flip a greedy choice).
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import jax
@@ -42,9 +43,14 @@ from serve import Engine, SamplingParams
 from serve.drafters import ModelDrafter
 from serve.launch import settle_heap
 from .common import choices_arg, ints_arg
-from .engine_metrics import busy_ns
+from .engine_metrics import decode_profile
 from .k3_slice import k3_slice
-from .kernel_timer import trace_events
+
+
+def spec_depth_arg(v: str):
+    if v == "auto" or (v.isdigit() and 1 <= int(v) <= 7):
+        return v if v == "auto" else int(v)
+    raise argparse.ArgumentTypeError(f"{v!r}: use auto or a depth 1..7")
 
 
 def add_args(p):
@@ -52,11 +58,11 @@ def add_args(p):
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per row (default 192)")
     p.add_argument("--prompt-len", type=int, default=None, help="length of P (default 128; smoke 24)")
     p.add_argument("--depth", type=int, default=12, help="layers of the K3 slice")
-    p.add_argument("--spec-depth", type=lambda v: v if v == "auto" else int(v), default="auto",
+    p.add_argument("--spec-depth", type=spec_depth_arg, default="auto",
                    help='num_speculative_tokens: "auto" (the controller) or a fixed depth 1..7')
     p.add_argument("--profile", action="store_true",
-                   help="second pass: wall time, GPU busy time and launches of a few engine steps "
-                        "(a cycle each, or a plain decode call), per committed token")
+                   help="a third pass: wall time, GPU busy time, launches and kernel categories of a "
+                        "few engine steps (a cycle each, or a plain decode call), per decode token a row")
     p.add_argument("--workloads", type=choices_arg(*WORKLOADS), default=list(WORKLOADS),
                    help=f"which workloads to run, of {','.join(WORKLOADS)} (default all)")
 
@@ -92,38 +98,45 @@ class FreeTargetDrafter(ModelDrafter):
 PROFILED_STEPS = 4
 
 
-def step_profile(eng, reqs):
-    """Wall time of PROFILED_STEPS engine steps, then the GPU kernels of as many more under the
-    profiler: per committed token, wall us, GPU busy us and launches (None off the GPU)."""
-    done = lambda: sum(len(r.output) for r in reqs)  # noqa: E731
-    before, t = done(), time.perf_counter()
+def submit_and_prefill(eng, prompts, params, first_id: int) -> list:
+    """The prompts as requests first_id, first_id + 1, ..., stepped until every prompt is cached."""
+    reqs = [eng.submit(p, sp, request_id=first_id + i) for i, (p, sp) in enumerate(zip(prompts, params))]
+    while eng.waiting or any(r.fed < len(r.prompt) for r in eng.running):
+        eng.step()
+    return reqs
+
+
+def step_profile(eng):
+    """Wall time a decode token (a step of the batch) over PROFILED_STEPS engine steps, then
+    engine_metrics.decode_profile of as many more (a cycle each, or a plain decode call):
+    {wall_us_per_token, gpu_busy_us, launches_per_token, us_per_token by category}; None off the
+    GPU or where the requests end first."""
+    rows = eng.running
+    fed, t = sum(r.fed for r in rows), time.perf_counter()
     for _ in range(PROFILED_STEPS):
         eng.step()
-    wall_tokens, wall = done() - before, time.perf_counter() - t
-    before = done()
-    events = trace_events(lambda: [eng.step() for _ in range(PROFILED_STEPS)], reps=1, sync=lambda _: None)
-    traced = done() - before  # trace_events runs one untraced call first: 2 x PROFILED_STEPS steps
-    if events is None or not wall_tokens or not traced:
+    eng.drain()
+    tokens = sum(r.fed for r in rows) - fed
+    if not tokens or not eng.running:  # the requests ended first (too few --new-tokens)
         return None
-    per = 2 / traced
-    return dict(wall_us_per_token=1e6 * wall / wall_tokens, gpu_busy_us_per_token=busy_ns(events) / 1e3 * per,
-                launches_per_token=len(events) * per, tokens_per_step=wall_tokens / PROFILED_STEPS)
+    wall_us = 1e6 * (time.perf_counter() - t) * len(rows) / tokens
+    prof = decode_profile(eng, wall_us, reps=PROFILED_STEPS)
+    return prof and dict(prof, wall_us_per_token=wall_us)
 
 
 def decode(model, B, prompts, params, speculative, max_seq_len, depth="auto", profile=False):
     """The prompts decoded twice on one engine, each pass prefilled and then timed to the end:
     [(outputs, decode seconds, committed decode tokens, stats)] for the first pass (a fresh
     controller, which must time the depths it tries) and the second (as a running server's
-    controller, which has timed them on earlier requests)."""
+    controller, which has timed them on earlier requests). With `profile`, a third pass of the
+    same prompts is profiled (step_profile), its figures in the second pass's stats."""
     eng = Engine(model, max_batch=B, max_seq_len=max_seq_len, page_size=64, prefill_chunk=256,
                  decode_steps=8, speculative=speculative, num_speculative_tokens=depth, prefix_cache=False)
     eng.warmup()  # every depth's verify pass compiled before anything is timed
     drafter = eng.spec.drafter if eng.spec is not None else None
     passes = []
     for first_id in (0, len(prompts)):
-        reqs = [eng.submit(p, sp, request_id=first_id + i) for i, (p, sp) in enumerate(zip(prompts, params))]
-        while eng.waiting or any(r.fed < len(r.prompt) for r in eng.running):
-            eng.step()
+        reqs = submit_and_prefill(eng, prompts, params, first_id)
         jax.block_until_ready(eng.layers)
         before = sum(len(r.output) for r in reqs)
         left_out = getattr(drafter, "seconds", 0.0)
@@ -132,17 +145,14 @@ def decode(model, B, prompts, params, speculative, max_seq_len, depth="auto", pr
             eng.step()
         jax.block_until_ready(eng.layers)
         secs = time.perf_counter() - t - (getattr(drafter, "seconds", 0.0) - left_out)
-        stats = eng.stats()
-        if profile and first_id:  # a pass of its own: the profiler's time stays out of the timed one
-            more = [eng.submit(p, sp, request_id=2 * first_id + i) for i, (p, sp) in enumerate(zip(prompts, params))]
-            while eng.waiting or any(r.fed < len(r.prompt) for r in eng.running):
-                eng.step()
-            for _ in range(2):  # past the first calls of the decode
-                eng.step()
-            stats["step_profile"] = step_profile(eng, more)
-            while eng.has_work():
-                eng.step()
-        passes.append(([list(r.output) for r in reqs], secs, sum(len(r.output) for r in reqs) - before, stats))
+        passes.append(([list(r.output) for r in reqs], secs, sum(len(r.output) for r in reqs) - before, eng.stats()))
+    if profile:  # a pass of its own: the profiler's time stays out of the timed ones
+        submit_and_prefill(eng, prompts, params, 2 * len(prompts))
+        for _ in range(2):  # past the first calls of the decode
+            eng.step()
+        passes[1][3]["step_profile"] = step_profile(eng)
+        while eng.has_work():
+            eng.step()
     return passes
 
 
@@ -190,12 +200,12 @@ def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False)
 
 
 def profile_note(runs) -> str:
-    """Per token, wall vs GPU busy time of speculation's steps and plain decoding's (--profile)."""
+    """A decode token's wall vs GPU busy time with speculation and without (--profile)."""
     profs = [runs[plain][1][3].get("step_profile") for plain in (False, True)]
     if not all(profs):
         return ""
     return "; us/token wall/GPU: spec " + ", plain ".join(
-        f"{p['wall_us_per_token']:.0f}/{p['gpu_busy_us_per_token']:.0f}" for p in profs)
+        f"{p['wall_us_per_token']:.0f}/{p['gpu_busy_us']:.0f}" for p in profs)
 
 
 def run(rec, args):

@@ -216,12 +216,11 @@ class Engine(QueuedDecode, SpeculativeCycle):
             raise RuntimeError("Engine.warmup runs before the first request: call it right after Engine(...)")
         before = compiled_programs()
         depths = [k for k in (self.spec.depths if self.spec is not None else ()) if k]
-        for lp in sorted({False, logprobs}):
-            with mesh_context(self.mesh):
-                lengths = sorted({self.decode_steps} | ({1} if depths else set()))  # 1: a cycle without drafts
+        lengths = sorted({self.decode_steps} | ({1} if depths else set()))  # 1: a cycle without drafts
+        with mesh_context(self.mesh):
+            for lp in sorted({False, logprobs}):
                 self.layers = compile_idle(self.model, self.layers, self.max_batch, self.prefill_widths,
-                                           lengths, depths, self.pages_per_seq,
-                                           self.backend, self.dcp_axes, lp)
+                                           lengths, depths, self.pages_per_seq, self.backend, self.dcp_axes, lp)
         if self.prefix is not None:
             self.prefix.compile_ops()
         jax.block_until_ready(self.layers)
