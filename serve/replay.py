@@ -63,10 +63,11 @@ class InProcess:
 
 class OverHTTP:
     """Streamed /v1/completions requests (token-id prompts) to an OpenAI-compatible server, sent with
-    httpx and read as plain Server-Sent Events, as load generators do (vLLM's benchmark_serving
-    uses aiohttp): the openai client's request building walks a 1024-token prompt in Python for
-    about 10 ms, so sessions starting together reached the server one such delay after another
-    and the client's TTFT counted the wait."""
+    aiohttp and read as plain Server-Sent Events, as vLLM's benchmark_serving does. Not the openai
+    client: its request building walks a long token-id prompt in Python, and not httpx: its async
+    client holds back requests started together until it has prepared all of them. Sessions
+    starting together then reached the server late, and the client's TTFT counted the wait
+    as the server's."""
 
     def __init__(self, http, base: str, model: str):
         self.http, self.url, self.model = http, base + "/v1/completions", model
@@ -75,11 +76,11 @@ class OverHTTP:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
                            "return_token_ids": True})
-        async with self.http.stream("POST", self.url, content=body,
-                                    headers={"Content-Type": "application/json"}) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {_error_message(await r.aread())}")
-            async for line in r.aiter_lines():
+        async with self.http.post(self.url, data=body, headers={"Content-Type": "application/json"}) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {_error_message(await r.read())}")
+            async for raw in r.content:  # one line at a time
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -249,14 +250,16 @@ def run_replay(sessions: list[Session], *, engine_factory=None, url: str | None 
 
 
 async def _over_http(sessions, url, model, concurrencies, target, block_size, time_scale, devices, plot):
-    import httpx
+    import aiohttp
 
     base = url.rstrip("/")
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         try:
-            cards = (await http.get(base + "/v1/models")).json()["data"]
-            health = (await http.get(base + "/health")).json()
-        except (httpx.HTTPError, KeyError, ValueError) as e:
+            async with http.get(base + "/v1/models") as r:
+                cards = (await r.json(content_type=None))["data"]
+            async with http.get(base + "/health") as r:
+                health = await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError) as e:
             raise ValueError(f"no OpenAI-compatible server at {url} ({type(e).__name__}: {e})") from None
     card = next((c for c in cards if model in (None, c["id"])), None)
     if card is None:
@@ -268,8 +271,8 @@ async def _over_http(sessions, url, model, concurrencies, target, block_size, ti
     n_dev = devices or int(health.get("devices", 1))
 
     async def one(concurrency):
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)  # one a session in flight
-        async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+        connector = aiohttp.TCPConnector(limit=0)  # no bound: a connection per session in flight
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
             records, wall = await replay(sessions, OverHTTP(http, base, card["id"]), block_size, card["vocab_size"],
                                          concurrency, time_scale)
         return summarize(records, wall, n_dev)

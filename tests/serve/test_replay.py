@@ -6,7 +6,8 @@ import gc
 import json
 import weakref
 
-import httpx
+import aiohttp
+from aiohttp import web
 import pytest
 
 import kimik3
@@ -131,9 +132,9 @@ def test_each_run_of_a_sweep_frees_its_engine_before_the_next():
 
 
 def test_over_http_reads_the_stream_and_reports_server_errors():
-    """The replay's HTTP client (httpx, plain Server-Sent Events) against canned responses: token
-    ids counted as they stream, usage and cached tokens taken, an OpenAI-style error body given as
-    its message, a count mismatch refused."""
+    """The replay's HTTP client (aiohttp, plain Server-Sent Events) against canned responses from a
+    local server: token ids counted as they stream, usage and cached tokens taken, an OpenAI-style
+    error body given as its message, a count mismatch refused."""
     def sse(*chunks):
         return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
 
@@ -143,17 +144,27 @@ def test_over_http_reads_the_stream_and_reports_server_errors():
               "bad": (400, json.dumps({"error": {"message": "max_tokens must be >= 1"}})),
               "short": (200, sse({"choices": [{"token_ids": [5]}]}, {"choices": [], "usage": usage}))}
 
-    def handler(request):
-        sent = json.loads(request.content)
+    async def handler(request):
+        sent = json.loads(await request.read())
         assert sent["prompt"] == [1, 2] and sent["stream"] and sent["return_token_ids"]
         status, text = bodies[sent["model"]]
-        return httpx.Response(status, text=text)
+        return web.Response(status=status, text=text)
 
     async def run(model):
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
-            rec = Record(0, 0, 2, start=0.0)
-            await OverHTTP(http, "http://x", model).complete([1, 2], 3, rec)
-            return rec
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as http:
+                rec = Record(0, 0, 2, start=0.0)
+                await OverHTTP(http, f"http://127.0.0.1:{port}", model).complete([1, 2], 3, rec)
+                return rec
+        finally:
+            await runner.cleanup()
 
     rec = asyncio.run(run("ok"))
     assert [n for _, n in rec.arrivals] == [2, 1] and (rec.output_tokens, rec.cached_tokens) == (3, 64)
