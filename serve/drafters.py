@@ -63,6 +63,28 @@ class NgramDrafter:
         self._index.pop(key, None)
 
 
+def ngram_drafts(hist, length, k: int, min_n: int = 2, max_n: int = 4):
+    """NgramDrafter.propose for every row at once, on device: hist [B, H] holds each row's tokens
+    (the first length[b] real). The longest suffix n-gram (max_n down to min_n) that also ends at
+    an earlier position, its latest such occurrence, and up to k tokens that followed it.
+    Returns (drafts [B, k], how many of them are real [B])."""
+    B, H = hist.shape
+    pos = jnp.arange(H, dtype=jnp.int32)[None, :]
+    length = length[:, None]
+    end = jnp.full((B,), -1, jnp.int32)
+    for n in range(max_n, min_n - 1, -1):  # longest first: a shorter n-gram only where it found none
+        suffix = jnp.take_along_axis(hist, jnp.clip(length - n + jnp.arange(n), 0, H - 1), axis=1)  # [B, n]
+        padded = jnp.pad(hist, ((0, 0), (n, 0)))  # padded[:, e + i] = hist[:, e - n + i]
+        match = (pos >= n) & (pos <= length - 1)  # n-grams ending (exclusive) at e, followed by a token
+        for i in range(n):
+            match &= padded[:, i:i + H] == suffix[:, i:i + 1]
+        latest = jnp.max(jnp.where(match, pos, -1), axis=1)
+        end = jnp.where(end >= 0, end, latest)
+    count = jnp.where(end >= 0, jnp.minimum(k, length[:, 0] - end), 0)
+    drafts = jnp.take_along_axis(hist, jnp.clip(end[:, None] + jnp.arange(k), 0, H - 1), axis=1)
+    return drafts, count
+
+
 @functools.partial(jax.jit, static_argnames=("k", "backend"), donate_argnames=("layers",))
 def _sync_and_draft(model: Model, layers, lengths, tokens, n_new, reset, first, k: int, backend=None):
     """Feed each row its committed tokens not yet seen (tokens [B, T], the first n_new[b] real) and

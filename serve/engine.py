@@ -38,6 +38,8 @@ from .speculation import Speculator, Stopwatch
 from .spec_cycle import SpeculativeCycle
 from .queued_decode import DecodeCall, QueuedDecode
 from .request import Request, SamplingParams
+from .drafters import NgramDrafter
+from .spec_steps import compile_spec_idle
 from .steps import STOP_SLOTS, compile_idle, compiled_programs, decode_steps, mixed_step
 
 
@@ -206,7 +208,7 @@ class Engine(QueuedDecode, SpeculativeCycle):
 
     def warmup(self, logprobs: bool = False) -> int:
         """Compile what steady serving runs (each prefill width, the decode calls, each speculative
-        depth's verify pass, the prefix cache's state and page copies; with `logprobs`, the
+        depth's verify pass or, with n-gram drafts, its on-device cycles; the prefix cache's state and page copies; with `logprobs`, the
         steps' logprob variants too) before the first request, as servers capture their graphs
         at start-up: no request then waits for a compile and speculation's first cycles are
         timed, not compiled. Returns how many of the steps' programs were compiled (0 where this
@@ -218,9 +220,15 @@ class Engine(QueuedDecode, SpeculativeCycle):
         depths = [k for k in (self.spec.depths if self.spec is not None else ()) if k]
         lengths = sorted({self.decode_steps} | ({1} if depths else set()))  # 1: a cycle without drafts
         with mesh_context(self.mesh):
-            for lp in sorted({False, logprobs}):
+            on_device = depths and isinstance(self.spec.drafter, NgramDrafter)  # n-gram cycles run on device
+            for lp in sorted({False, logprobs}):  # (the host's verify pass: other drafters, and logprobs)
+                host_depths = depths if not on_device or lp else ()
                 self.layers = compile_idle(self.model, self.layers, self.max_batch, self.prefill_widths,
-                                           lengths, depths, self.pages_per_seq, self.backend, self.dcp_axes, lp)
+                                           lengths, host_depths, self.pages_per_seq, self.backend, self.dcp_axes, lp)
+            if on_device:
+                self.layers = compile_spec_idle(self.model, self.layers, self.max_batch, depths, self.decode_steps,
+                                                self.max_seq_len, self.pages_per_seq, self.spec.drafter.min_n,
+                                                self.spec.drafter.max_n, self.backend, self.dcp_axes)
         if self.prefix is not None:
             self.prefix.compile_ops()
         jax.block_until_ready(self.layers)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from kimik3.generation import logprob_rows
+from kimik3.generation import logprob_rows, stop_set
 from kimik3.runtime import mesh_context
 
+from .drafters import NgramDrafter
+from .spec_steps import SPEC_WINDOW, spec_decode_steps, spec_inputs
 from .speculation import Stopwatch
 from .steps import STOP_SLOTS, verify_step
 
@@ -21,6 +23,10 @@ class SpeculativeCycle:
             k = self.spec.choose([r.id for r in running])
         if k == 0:
             return None
+        if self._cycles_on_device(running):
+            events = self._speculate_on_device(running, k)
+            if events is not None:
+                return events
         rows = {}
         for r in running:  # a row drafts only what it can still commit and what fits the cache
             room = min(k, r.params.max_new_tokens - len(r.output) - 1, self.max_seq_len - r.fed - 1)
@@ -75,6 +81,68 @@ class SpeculativeCycle:
             if r.params.return_logprobs:
                 rows = [logprob_rows(lp, r.params.top_logprobs, t)[s] for t in range(a + 1)]
             kept = self._accept(r, samples[s, :a + 1], rows)
+            if kept or r.finished:
+                events.append((r, kept))
+        return events
+
+    def _cycles_on_device(self, running) -> bool:
+        """Whether these rows' cycles can run on device (spec_steps): n-gram drafts, no logprobs,
+        and stop rules the device checks (stop tokens that fit STOP_SLOTS, no stop strings)."""
+        if not isinstance(self.spec.drafter, NgramDrafter):
+            return False
+        for r in running:
+            p = r.params
+            if p.return_logprobs or p.stop_strings or len(stop_set(self.cfg, p.stop_tokens)) > STOP_SLOTS:
+                return False
+        return True
+
+    def _speculate_on_device(self, running, k):
+        """`decode_steps` cycles at depth k in one device call (spec_steps.spec_decode_steps), or
+        None (the host cycle runs instead) where the pages they may write are not free."""
+        cycles, B = self.decode_steps, self.max_batch
+        upto = {id(r): min(r.fed + cycles * (k + 1), self.max_seq_len) for r in running}
+        need = sum(max(0, -(-upto[id(r)] // self.page_size) - len(r.pages)) for r in running)
+        if need > self.available_pages():
+            return None
+        for r in running:
+            got = self._ensure_pages(r, upto[id(r)])
+            assert got, "pages counted as available"
+        d = self.spec.drafter
+        x = spec_inputs(B, k, cycles, self.max_seq_len)
+        table = np.zeros((B, self.pages_per_seq), np.int32)
+        window = min(self.max_seq_len, SPEC_WINDOW)
+        for r in running:
+            s, p = r.slot, r.params
+            seq = r.view()
+            n = min(len(seq), window)
+            x["hist"][s, :n] = seq[len(seq) - n:]
+            x["hist_len"][s], x["start"][s], x["active"][s] = n, r.fed, 1
+            x["gen_idx"][s], x["limit"][s], x["cap"][s] = len(r.output), p.max_new_tokens, upto[id(r)]
+            x["seeds"][s], x["temperature"][s], x["top_k"][s], x["top_p"][s] = p.seed, p.temperature, p.top_k, p.top_p
+            stop = self._stop_ids(r)
+            x["stops"][s, :len(stop)] = stop
+            table[s, :len(r.pages)] = r.pages
+        clock = Stopwatch()
+        with mesh_context(self.mesh), clock:
+            *outs, self.layers = spec_decode_steps(
+                self.model, self.layers, page_table=table, cycles=cycles, depth=k, min_n=d.min_n, max_n=d.max_n,
+                backend=self.backend, dcp_axes=self.dcp_axes, **x)
+            samples, committed, drafted, offered = (np.asarray(o) for o in outs)
+        ran = int((committed.sum(1) > 0).sum()) or 1
+        self.spec.timed(len(running), k, clock.seconds / ran, clock.compiled)
+        events = []
+        for r in running:
+            s, kept = r.slot, []
+            done = [c for c in range(cycles) if committed[c, s]]
+            for c in done:
+                self.spec.record(r.id, int(drafted[c, s]), int(committed[c, s]) - 1, offered=int(offered[c, s]))
+            r.fed += int(committed[:, s].sum())  # the cache now ends after the last cycle's tokens
+            if self.prefix is not None:
+                self.prefix.after_step(r)
+            for c in done:
+                if r.finished:
+                    break
+                kept += self._accept(r, samples[c, s, :committed[c, s]])
             if kept or r.finished:
                 events.append((r, kept))
         return events

@@ -81,6 +81,13 @@ def decode_steps(model: Model, layers, tokens, start, active, page_table, seeds,
 @functools.partial(jax.jit, static_argnames=("backend", "dcp_axes", "logprobs"), donate_argnames=("layers",))
 def verify_step(model: Model, layers, tokens, start, n_new, page_table, seeds, gen_idx,
                 temperature, top_k, top_p, stops, backend=None, dcp_axes=(), logprobs: bool = False):
+    """One verify pass (`verify`), jitted: the host's draft-verify-commit cycle."""
+    return verify(model, layers, tokens, start, n_new, page_table, seeds, gen_idx, temperature, top_k, top_p,
+                  stops, backend, dcp_axes, logprobs)
+
+
+def verify(model: Model, layers, tokens, start, n_new, page_table, seeds, gen_idx,
+           temperature, top_k, top_p, stops, backend=None, dcp_axes=(), logprobs: bool = False):
     """Speculative verify: tokens [B, 1 + k] are each row's last sampled token then k drafts (row b
     uses its first n_new[b]). The target samples a token after every position with the key it
     would use without speculation (index gen_idx + t), accepts drafts while they equal its own
@@ -113,12 +120,15 @@ def verify_step(model: Model, layers, tokens, start, n_new, page_table, seeds, g
     return samples, accepted, lp, layers
 
 
+JITTED_STEPS = [mixed_step, decode_steps, verify_step]  # (spec_steps adds its loop)
+
+
 def compiled_programs() -> int:
     """How many programs the jitted steps hold: a call that raises the count traced and compiled
     one (or loaded it from the compilation cache), so its wall time is not a step's. The count is
     the jit dispatch caches' (process-wide), so a fresh engine whose shapes ran before compiles
     nothing and is timed from its first call."""
-    return sum(f._cache_size() for f in (mixed_step, decode_steps, verify_step))
+    return sum(f._cache_size() for f in JITTED_STEPS)
 
 
 def compile_idle(model: Model, layers, batch: int, widths, decode_lengths, depths, pages_per_seq: int,

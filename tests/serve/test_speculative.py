@@ -8,7 +8,7 @@ import pytest
 
 import kimik3
 from serve import Engine, SamplingParams
-from serve.drafters import ModelDrafter, NgramDrafter
+from serve.drafters import NgramDrafter
 from serve.speculation import Speculator
 from serve.steps import verify_step
 
@@ -396,3 +396,43 @@ def test_warmup_compiles_every_program_serving_runs(model):
         assert eng.stats()["spec_draft_tokens"] > 0
         with pytest.raises(RuntimeError, match="before the first request"):
             eng.submit([1, 2]) and eng.warmup()
+
+
+def test_device_ngram_drafts_equal_the_host_drafter():
+    """drafters.ngram_drafts (every row at once, on device) proposes what NgramDrafter.propose does,
+    on sequences of small and large alphabets (many repeats, few), empty and short ones included."""
+    from serve.drafters import ngram_drafts
+
+    rng = np.random.RandomState(0)
+    B, H, k = 48, 80, 5
+    hist, lengths, want = np.zeros((B, H), np.int32), np.zeros(B, np.int32), []
+    for b in range(B):
+        seq = list(map(int, rng.randint(0, [2, 3, 5, 50][b % 4], rng.randint(0, 78))))
+        hist[b, :len(seq)], lengths[b] = seq, len(seq)
+        want.append(NgramDrafter().propose(b, seq, k))
+    drafts, count = (np.asarray(a) for a in ngram_drafts(jnp.asarray(hist), jnp.asarray(lengths), k))
+    assert [list(drafts[b, :count[b]]) for b in range(B)] == want
+    assert 0 < sum(map(bool, want)) < B
+
+
+def test_ngram_cycles_run_on_device_and_equal_plain_decoding(model, monkeypatch):
+    """With n-gram drafts the cycles run several to a device call (spec_steps): greedy and seeded
+    sampled rows, stop tokens and ragged lengths, more requests than slots, give plain decoding's
+    tokens; a row asking for logprobs sends the cycles back to the host, still exact."""
+    import serve.spec_cycle as spec_cycle
+
+    calls = []
+    real = spec_cycle.spec_decode_steps
+    monkeypatch.setattr(spec_cycle, "spec_decode_steps", lambda *a, **kw: calls.append(kw["depth"]) or real(*a, **kw))
+    prompts = _repetitive_prompts(6, 4) + [[1, 2, 3, 2, 3]]
+    params = [SamplingParams(max_new_tokens=6 + 3 * i, temperature=0.0 if i % 3 else 0.9, seed=i,
+                             stop_tokens=(7,) if i == 4 else ()) for i in range(len(prompts))]
+    want = Engine(model, **SHAPE, decode_steps=3).generate(prompts, params=params)
+    eng = Engine(model, **SHAPE, decode_steps=3, speculative="ngram", num_speculative_tokens=3)
+    assert eng.generate(prompts, params=params) == want
+    assert calls and set(calls) == {3} and eng.stats()["spec_accepted_tokens"] > 0
+    eng.check_pages()
+    n = len(calls)
+    lp = [SamplingParams(max_new_tokens=8, stop_tokens=(), return_logprobs=True, top_logprobs=1)]
+    want_lp = Engine(model, **SHAPE, decode_steps=3).generate(prompts[-1:], params=lp)
+    assert eng.generate(prompts[-1:], params=lp) == want_lp and len(calls) == n
