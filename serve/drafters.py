@@ -71,15 +71,17 @@ def ngram_drafts(hist, length, k: int, min_n: int = 2, max_n: int = 4):
     B, H = hist.shape
     pos = jnp.arange(H, dtype=jnp.int32)[None, :]
     length = length[:, None]
-    end = jnp.full((B,), -1, jnp.int32)
-    for n in range(max_n, min_n - 1, -1):  # longest first: a shorter n-gram only where it found none
-        suffix = jnp.take_along_axis(hist, jnp.clip(length - n + jnp.arange(n), 0, H - 1), axis=1)  # [B, n]
-        padded = jnp.pad(hist, ((0, 0), (n, 0)))  # padded[:, e + i] = hist[:, e - n + i]
-        match = (pos >= n) & (pos <= length - 1)  # n-grams ending (exclusive) at e, followed by a token
-        for i in range(n):
-            match &= padded[:, i:i + H] == suffix[:, i:i + 1]
-        latest = jnp.max(jnp.where(match, pos, -1), axis=1)
-        end = jnp.where(end >= 0, end, latest)
+    suffix = jnp.take_along_axis(hist, jnp.clip(length - 1 - jnp.arange(max_n), 0, H - 1), axis=1)  # [B, max_n]
+    padded = jnp.pad(hist, ((0, 0), (max_n, 0)), constant_values=-1)  # -1: before the sequence, no token
+    # matched[e]: how many tokens before position e equal the sequence's last ones (up to max_n)
+    matched = jnp.zeros((B, H), jnp.int32)
+    for i in range(max_n, 0, -1):  # innermost first: a match of i tokens needs the i - 1 nearer ones
+        same = (padded[:, max_n - i:max_n - i + H] == suffix[:, i - 1:i]) & (length > i)
+        matched = jnp.where(same, matched + 1, 0) if i < max_n else same.astype(jnp.int32)
+    matched = matched * (pos <= length - 1)  # occurrences that end before the sequence does
+    score = jnp.where(matched >= min_n, matched * (H + 1) + pos, -1)  # longest n-gram, then latest
+    best = jnp.max(score, axis=1)
+    end = jnp.where(best >= 0, best % (H + 1), -1)
     count = jnp.where(end >= 0, jnp.minimum(k, length[:, 0] - end), 0)
     drafts = jnp.take_along_axis(hist, jnp.clip(end[:, None] + jnp.arange(k), 0, H - 1), axis=1)
     return drafts, count
