@@ -59,7 +59,7 @@ def spec_decode_steps(model: Model, layers, hist, hist_len, start, active, page_
         return layers, hist, hist_len + n, start + n, gen, live, outs
 
     outs = (jnp.zeros((cycles, B, T), jnp.int32),) + tuple(jnp.zeros((cycles, B), jnp.int32) for _ in range(3))
-    carry = (layers, hist, hist_len, start, gen_idx, jnp.ones_like(active), outs)
+    carry = (layers, hist, hist_len, start, gen_idx, (start < cap).astype(active.dtype), outs)  # room to feed
     layers, *_, outs = jax.lax.fori_loop(0, cycles, body, carry)
     return (*outs, layers)
 
