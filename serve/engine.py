@@ -135,7 +135,7 @@ class Engine(QueuedDecode, SpeculativeCycle):
         self.admitted_prompt_tokens = 0  # with the prefix cache off (it counts its own)
         self._ids = itertools.count()
         self._reset = np.zeros(max_batch, bool)
-        self._pending: DecodeCall | None = None  # a decode call dispatched ahead of the host
+        self._pending = None  # a DecodeCall or SpecCall dispatched ahead of the host
         self._step_end = time.perf_counter()
         self._spec_next = None  # a depth speculation's controller chose while a call was queued
         self.closed = False

@@ -14,6 +14,7 @@ from kimik3.generation import stop_set
 from kimik3.runtime import mesh_context
 
 from .request import Request
+from .spec_cycle import SpecCall
 from .steps import STOP_SLOTS, compiled_programs, decode_steps
 
 
@@ -48,6 +49,8 @@ class QueuedDecode:
         """Read the queued call (dispatching the next behind it first if `chain` and nothing
         needs the host in between) and apply it."""
         call, self._pending = self._pending, None
+        if isinstance(call, SpecCall):  # speculation's cycles, queued on device the same way
+            return self._collect_spec(call, chain)
         rows = [r for r in call.rows if r.finished is None]
         programs = compiled_programs() if self.spec is not None else 0  # (the controller's timing only)
         with mesh_context(self.mesh):

@@ -4,6 +4,9 @@ entries left to be overwritten), commit. `speculation.Speculator` chooses the de
 cycles; this mixin runs them on the engine's slots, pages and requests."""
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import numpy as np
 
 from kimik3.generation import logprob_rows, stop_set
@@ -12,7 +15,7 @@ from kimik3.runtime import mesh_context
 from .drafters import NgramDrafter
 from .spec_steps import SPEC_WINDOW, spec_decode_steps, spec_inputs
 from .speculation import Stopwatch
-from .steps import STOP_SLOTS, verify_step
+from .steps import STOP_SLOTS, compiled_programs, verify_step
 
 
 class SpeculativeCycle:
@@ -97,19 +100,14 @@ class SpeculativeCycle:
         return True
 
     def _speculate_on_device(self, running, k):
-        """`decode_steps` cycles at depth k in one device call (spec_steps.spec_decode_steps), or
-        None (the host cycle runs instead) where the pages they may write are not free."""
+        """`decode_steps` cycles at depth k in one device call (spec_steps.spec_decode_steps), the
+        next call chained behind it where nothing needs the host in between; None (the host cycle
+        runs instead) where the pages they may write are not free."""
         cycles, B = self.decode_steps, self.max_batch
         upto = {id(r): min(r.fed + cycles * (k + 1), self.max_seq_len) for r in running}
-        need = sum(max(0, -(-upto[id(r)] // self.page_size) - len(r.pages)) for r in running)
-        if need > self.available_pages():
+        if not self._reserve_pages(running, upto):
             return None
-        for r in running:
-            got = self._ensure_pages(r, upto[id(r)])
-            assert got, "pages counted as available"
-        d = self.spec.drafter
         x = spec_inputs(B, k, cycles, self.max_seq_len)
-        table = np.zeros((B, self.pages_per_seq), np.int32)
         window = min(self.max_seq_len, SPEC_WINDOW)
         for r in running:
             s, p = r.slot, r.params
@@ -121,19 +119,86 @@ class SpeculativeCycle:
             x["seeds"][s], x["temperature"][s], x["top_k"][s], x["top_p"][s] = p.seed, p.temperature, p.top_k, p.top_p
             stop = self._stop_ids(r)
             x["stops"][s, :len(stop)] = stop
-            table[s, :len(r.pages)] = r.pages
         clock = Stopwatch()
         with mesh_context(self.mesh), clock:
-            *outs, self.layers = spec_decode_steps(
-                self.model, self.layers, page_table=table, cycles=cycles, depth=k, min_n=d.min_n, max_n=d.max_n,
-                backend=self.backend, dcp_axes=self.dcp_axes, **x)
-            samples, committed, drafted, offered = (np.asarray(o) for o in outs)
+            call = self._spec_dispatch(running, k, x)
+            if self._spec_chainable(call):
+                self._pending = self._spec_chain(call)
+            results = call.results()
+        return self._spec_apply(call, results, clock.seconds, clock.compiled)
+
+    def _reserve_pages(self, rows, upto) -> bool:
+        """Pages for each row up to upto[id(row)] tokens, if the free pages cover them all."""
+        need = sum(max(0, -(-upto[id(r)] // self.page_size) - len(r.pages)) for r in rows)
+        if need > self.available_pages():
+            return False
+        for r in rows:
+            got = self._ensure_pages(r, upto[id(r)])
+            assert got, "pages counted as available"
+        return True
+
+    def _spec_dispatch(self, rows, k, x) -> "SpecCall":
+        table = np.zeros((self.max_batch, self.pages_per_seq), np.int32)
+        for r in rows:
+            table[r.slot, :len(r.pages)] = r.pages
+        d = self.spec.drafter
+        *outs, carry, self.layers = spec_decode_steps(
+            self.model, self.layers, page_table=table, cycles=self.decode_steps, depth=k, min_n=d.min_n,
+            max_n=d.max_n, backend=self.backend, dcp_axes=self.dcp_axes, **x)
+        return SpecCall(rows, k, self.decode_steps, outs, carry, x)
+
+    def _spec_chainable(self, call) -> bool:
+        """Whether the call after `call` can be dispatched before the host reads `call` (as
+        QueuedDecode._chainable for decode calls): no waiting request could take a free slot, no
+        aborted row still feeds, some row will still be decoding after it, the controller keeps
+        the depth, and the pages the next call may write are free without preempting anyone."""
+        if self.waiting and None in self.slots:
+            return False
+        if any(r.cache_ahead for r in call.rows):
+            return False
+        rows = [r for r in call.rows if r.finished is None]
+        if not any(r.params.max_new_tokens - len(r.output) > call.steps * (call.depth + 1) for r in rows):
+            return False
+        self._spec_next = self.spec.choose([r.id for r in rows])
+        if self._spec_next != call.depth:  # (kept for the step that runs it)
+            return False
+        self._spec_next = None
+        # this call and the next feed at most 2 * steps * (depth + 1) tokens past what the host knows
+        span = 2 * call.steps * (call.depth + 1)
+        return self._reserve_pages(rows, {id(r): min(r.fed + span, self.max_seq_len) for r in rows})
+
+    def _spec_chain(self, call) -> "SpecCall":
+        """Dispatch the call that continues `call` from its device outputs."""
+        hist, hist_len, start, active, gen = call.carry
+        cap = np.zeros(self.max_batch, np.int32)
+        rows = [r for r in call.rows if r.finished is None]
+        for r in rows:
+            cap[r.slot] = min(r.fed + 2 * call.steps * (call.depth + 1), self.max_seq_len)
+        x = dict(call.x, hist=hist, hist_len=hist_len, start=start, active=active, gen_idx=gen, cap=cap)
+        return self._spec_dispatch(rows, call.depth, x)
+
+    def _collect_spec(self, call, chain: bool):
+        """Read a queued speculation call (dispatching the next behind it first if `chain` and
+        nothing needs the host in between) and apply it; its time is the interval since the
+        last step ended, as a queued decode call's."""
+        programs = compiled_programs()
+        with mesh_context(self.mesh):
+            if chain and self._spec_chainable(call):
+                self._pending = self._spec_chain(call)
+            results = call.results()
+        return self._spec_apply(call, results, time.perf_counter() - self._step_end, compiled_programs() > programs)
+
+    def _spec_apply(self, call, results, seconds: float, compiled: bool):
+        """A speculation call's results applied to its rows (tokens fed, blocks cached, tokens
+        accepted, each cycle's drafts recorded), its time given to the controller per cycle run."""
+        samples, committed, drafted, offered = results
+        rows = [r for r in call.rows if r.finished is None]
         ran = int((committed.sum(1) > 0).sum()) or 1
-        self.spec.timed(len(running), k, clock.seconds / ran, clock.compiled)
+        self.spec.timed(len(rows) or 1, call.depth, seconds / ran, compiled)
         events = []
-        for r in running:
+        for r in rows:
             s, kept = r.slot, []
-            done = [c for c in range(cycles) if committed[c, s]]
+            done = [c for c in range(call.steps) if committed[c, s]]
             for c in done:
                 self.spec.record(r.id, int(drafted[c, s]), int(committed[c, s]) - 1, offered=int(offered[c, s]))
             r.fed += int(committed[:, s].sum())  # the cache now ends after the last cycle's tokens
@@ -146,3 +211,19 @@ class SpeculativeCycle:
             if kept or r.finished:
                 events.append((r, kept))
         return events
+
+
+@dataclasses.dataclass
+class SpecCall:
+    """A dispatched spec_decode_steps call: its rows, depth and cycles (`steps`), its device outputs
+    (samples, committed, drafted, offered), the carry a chained call starts from, and the host
+    inputs a chained call reuses."""
+    rows: list
+    depth: int
+    steps: int
+    outs: list
+    carry: tuple
+    x: dict
+
+    def results(self):
+        return tuple(np.asarray(o) for o in self.outs)

@@ -1,7 +1,8 @@
 """Speculative decoding with n-gram drafts as one device call of several cycles: each cycle drafts
 on device (drafters.ngram_drafts over each row's recent tokens), verifies (steps.verify) and
 commits, and the next cycle starts from what the last one committed, so the host's launch and
-its read of the results are paid once a call, not once a cycle. A host cycle (spec_cycle.py)
+its read of the results are paid once a call, not once a cycle; and as with decode calls, the
+next call can be queued on device from this one's outputs before the host reads them. A host cycle (spec_cycle.py)
 waits for each verify pass's result before it can draft the next: its launch and transfers were
 longer than the pass itself on a small model."""
 from __future__ import annotations
@@ -31,10 +32,16 @@ def spec_decode_steps(model: Model, layers, hist, hist_len, start, active, page_
     cap: tokens the row's pages hold. A row drafts at most what it can still commit and what fits
     its pages; it stops after a stop token or at its limit, as decode_steps does. Returns
     (samples [cycles, B, depth + 1], committed [cycles, B] (row b commits samples[c, b, :n]),
-    drafted [cycles, B], offered [cycles, B] (positions it could have drafted), layers)."""
+    drafted [cycles, B], offered [cycles, B] (positions it could have drafted), the next call's
+    (hist, hist_len, start, active, gen_idx) so it can be chained on device before the host reads
+    this one, layers)."""
     B, H = hist.shape
     T = depth + 1
     rows = jnp.arange(B)[:, None]
+    # a chained call starts from the last one's window: drop its oldest tokens so this call's fit
+    shift = jnp.maximum(hist_len - (H - cycles * T), 0)
+    hist = jnp.take_along_axis(hist, jnp.minimum(jnp.arange(H)[None, :] + shift[:, None], H - 1), axis=1)
+    hist_len = hist_len - shift
 
     def body(c, carry):
         layers, hist, hist_len, start, gen, live, outs = carry
@@ -60,8 +67,8 @@ def spec_decode_steps(model: Model, layers, hist, hist_len, start, active, page_
 
     outs = (jnp.zeros((cycles, B, T), jnp.int32),) + tuple(jnp.zeros((cycles, B), jnp.int32) for _ in range(3))
     carry = (layers, hist, hist_len, start, gen_idx, (start < cap).astype(active.dtype), outs)  # room to feed
-    layers, *_, outs = jax.lax.fori_loop(0, cycles, body, carry)
-    return (*outs, layers)
+    layers, hist, hist_len, start, gen, live, outs = jax.lax.fori_loop(0, cycles, body, carry)
+    return (*outs, (hist, hist_len, start, active * live, gen), layers)
 
 
 JITTED_STEPS.append(spec_decode_steps)

@@ -416,14 +416,16 @@ def test_device_ngram_drafts_equal_the_host_drafter():
 
 
 def test_ngram_cycles_run_on_device_and_equal_plain_decoding(model, monkeypatch):
-    """With n-gram drafts the cycles run several to a device call (spec_steps): greedy and seeded
-    sampled rows, stop tokens and ragged lengths, more requests than slots, give plain decoding's
-    tokens; a row asking for logprobs sends the cycles back to the host, still exact."""
+    """With n-gram drafts the cycles run several to a device call (spec_steps), the next call
+    queued behind the one the host reads: greedy and seeded sampled rows, stop tokens and ragged
+    lengths, more requests than slots, give plain decoding's tokens; a row asking for logprobs
+    sends the cycles back to the host, still exact."""
     import serve.spec_cycle as spec_cycle
 
-    calls = []
-    real = spec_cycle.spec_decode_steps
+    calls, chained = [], []
+    real, real_chain = spec_cycle.spec_decode_steps, Engine._spec_chain
     monkeypatch.setattr(spec_cycle, "spec_decode_steps", lambda *a, **kw: calls.append(kw["depth"]) or real(*a, **kw))
+    monkeypatch.setattr(Engine, "_spec_chain", lambda self, call: chained.append(1) or real_chain(self, call))
     prompts = _repetitive_prompts(6, 4) + [[1, 2, 3, 2, 3]]
     params = [SamplingParams(max_new_tokens=6 + 3 * i, temperature=0.0 if i % 3 else 0.9, seed=i,
                              stop_tokens=(7,) if i == 4 else ()) for i in range(len(prompts))]
@@ -431,8 +433,24 @@ def test_ngram_cycles_run_on_device_and_equal_plain_decoding(model, monkeypatch)
     eng = Engine(model, **SHAPE, decode_steps=3, speculative="ngram", num_speculative_tokens=3)
     assert eng.generate(prompts, params=params) == want
     assert calls and set(calls) == {3} and eng.stats()["spec_accepted_tokens"] > 0
+    assert chained  # calls queued on device behind the one the host reads
     eng.check_pages()
     n = len(calls)
     lp = [SamplingParams(max_new_tokens=8, stop_tokens=(), return_logprobs=True, top_logprobs=1)]
     want_lp = Engine(model, **SHAPE, decode_steps=3).generate(prompts[-1:], params=lp)
     assert eng.generate(prompts[-1:], params=lp) == want_lp and len(calls) == n
+
+
+def test_ngram_cycles_on_device_slide_their_window(model, monkeypatch):
+    """A row longer than the drafter's window: each call (and each call chained behind it) looks
+    up only the newest tokens, and the token it feeds is still the newest; outputs unchanged."""
+    import serve.spec_cycle as spec_cycle
+    import serve.spec_steps as spec_steps
+
+    monkeypatch.setattr(spec_steps, "SPEC_WINDOW", 8)
+    monkeypatch.setattr(spec_cycle, "SPEC_WINDOW", 8)
+    prompts = [[1, 2, 3, 2, 3], _repetitive_prompts(1, 5)[0]]
+    want = Engine(model, **SHAPE, decode_steps=3).generate(prompts, max_new_tokens=30, stop_tokens=[])
+    eng = Engine(model, **SHAPE, decode_steps=3, speculative="ngram", num_speculative_tokens=2)
+    assert eng.generate(prompts, max_new_tokens=30, stop_tokens=[]) == want
+    assert eng.stats()["spec_accepted_tokens"] > 0
