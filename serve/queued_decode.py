@@ -91,7 +91,11 @@ class QueuedDecode:
         for r in rows:
             if r.params.stop_strings or len(stop_set(self.cfg, r.params.stop_tokens)) > STOP_SLOTS:
                 return False
-        upto = {id(r): min(r.fed + 2 * call.steps, self.max_seq_len) for r in rows}
+        return self._reserve_pages(rows, {id(r): min(r.fed + 2 * call.steps, self.max_seq_len) for r in rows})
+
+    def _reserve_pages(self, rows, upto) -> bool:
+        """Pages for each row up to upto[id(row)] tokens, if the free pages cover them all (no
+        row is preempted for them)."""
         need = sum(max(0, math.ceil(upto[id(r)] / self.page_size) - len(r.pages)) for r in rows)
         if need > self.available_pages():
             return False

@@ -127,16 +127,6 @@ class SpeculativeCycle:
             results = call.results()
         return self._spec_apply(call, results, clock.seconds, clock.compiled)
 
-    def _reserve_pages(self, rows, upto) -> bool:
-        """Pages for each row up to upto[id(row)] tokens, if the free pages cover them all."""
-        need = sum(max(0, -(-upto[id(r)] // self.page_size) - len(r.pages)) for r in rows)
-        if need > self.available_pages():
-            return False
-        for r in rows:
-            got = self._ensure_pages(r, upto[id(r)])
-            assert got, "pages counted as available"
-        return True
-
     def _spec_dispatch(self, rows, k, x) -> "SpecCall":
         table = np.zeros((self.max_batch, self.pages_per_seq), np.int32)
         for r in rows:
