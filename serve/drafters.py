@@ -74,10 +74,10 @@ def ngram_drafts(hist, length, k: int, min_n: int = 2, max_n: int = 4):
     suffix = jnp.take_along_axis(hist, jnp.clip(length - 1 - jnp.arange(max_n), 0, H - 1), axis=1)  # [B, max_n]
     padded = jnp.pad(hist, ((0, 0), (max_n, 0)), constant_values=-1)  # -1: before the sequence, no token
     # matched[e]: how many tokens before position e equal the sequence's last ones (up to max_n)
-    matched = jnp.zeros((B, H), jnp.int32)
-    for i in range(max_n, 0, -1):  # innermost first: a match of i tokens needs the i - 1 nearer ones
+    matched = 0
+    for i in range(max_n, 0, -1):  # farthest first: a match extends the count, a nearer miss resets it
         same = (padded[:, max_n - i:max_n - i + H] == suffix[:, i - 1:i]) & (length > i)
-        matched = jnp.where(same, matched + 1, 0) if i < max_n else same.astype(jnp.int32)
+        matched = jnp.where(same, matched + 1, 0)
     matched = matched * (pos <= length - 1)  # occurrences that end before the sequence does
     score = jnp.where(matched >= min_n, matched * (H + 1) + pos, -1)  # longest n-gram, then latest
     best = jnp.max(score, axis=1)

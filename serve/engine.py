@@ -208,9 +208,9 @@ class Engine(QueuedDecode, SpeculativeCycle):
 
     def warmup(self, logprobs: bool = False) -> int:
         """Compile what steady serving runs (each prefill width, the decode calls, each speculative
-        depth's verify pass or, with n-gram drafts, its on-device cycles; the prefix cache's state and page copies; with `logprobs`, the
-        steps' logprob variants too) before the first request, as servers capture their graphs
-        at start-up: no request then waits for a compile and speculation's first cycles are
+        depth's verify pass or, with n-gram drafts, its on-device cycles; the prefix cache's state
+        and page copies; with `logprobs`, the steps' logprob variants too) before the first
+        request, as servers capture their graphs at start-up: no request then waits for a compile and speculation's first cycles are
         timed, not compiled. Returns how many of the steps' programs were compiled (0 where this
         process already holds them)."""
         self._check_open()

@@ -70,8 +70,9 @@ class QueuedDecode:
         self._spec_next = self.spec.choose([r.id for r in rows])
         return self._spec_next == 0
 
-    def _chainable(self, call) -> bool:
-        """Whether the call after `call` can be dispatched before the host reads `call`: no
+    def _chainable(self, call, per_call: int | None = None) -> bool:
+        """Whether the call after `call` can be dispatched before the host reads `call` (per_call:
+        the most tokens a row feeds in one call; a decode call's steps by default): no
         waiting request could take a free slot now, every row's stop rules run on device (stop
         tokens that fit STOP_SLOTS, no stop strings), some row will still be decoding after it,
         and the pages the next call writes are free without preempting anyone. With every slot
@@ -85,13 +86,19 @@ class QueuedDecode:
             return False
         if any(r.cache_ahead for r in call.rows):  # an aborted row still feeds in `call`
             return False
+        per_call = per_call or call.steps
         rows = [r for r in call.rows if r.finished is None]
-        if not any(r.params.max_new_tokens - len(r.output) > call.steps for r in rows):
+        if not any(r.params.max_new_tokens - len(r.output) > per_call for r in rows):
             return False
-        for r in rows:
-            if r.params.stop_strings or len(stop_set(self.cfg, r.params.stop_tokens)) > STOP_SLOTS:
-                return False
-        return self._reserve_pages(rows, {id(r): min(r.fed + 2 * call.steps, self.max_seq_len) for r in rows})
+        if not all(self._stops_on_device(r) for r in rows):
+            return False
+        # `call` and the next feed at most 2 * per_call tokens past what the host knows
+        return self._reserve_pages(rows, {id(r): min(r.fed + 2 * per_call, self.max_seq_len) for r in rows})
+
+    def _stops_on_device(self, r) -> bool:
+        """Whether the device can apply the request's stop rules: stop tokens that fit
+        STOP_SLOTS, no stop strings."""
+        return not r.params.stop_strings and len(stop_set(self.cfg, r.params.stop_tokens)) <= STOP_SLOTS
 
     def _reserve_pages(self, rows, upto) -> bool:
         """Pages for each row up to upto[id(row)] tokens, if the free pages cover them all (no

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from kimik3.generation import logprob_rows, stop_set
+from kimik3.generation import logprob_rows
 from kimik3.runtime import mesh_context
 
 from .drafters import NgramDrafter
@@ -91,13 +91,8 @@ class SpeculativeCycle:
     def _cycles_on_device(self, running) -> bool:
         """Whether these rows' cycles can run on device (spec_steps): n-gram drafts, no logprobs,
         and stop rules the device checks (stop tokens that fit STOP_SLOTS, no stop strings)."""
-        if not isinstance(self.spec.drafter, NgramDrafter):
-            return False
-        for r in running:
-            p = r.params
-            if p.return_logprobs or p.stop_strings or len(stop_set(self.cfg, p.stop_tokens)) > STOP_SLOTS:
-                return False
-        return True
+        return isinstance(self.spec.drafter, NgramDrafter) and all(
+            not r.params.return_logprobs and self._stops_on_device(r) for r in running)
 
     def _speculate_on_device(self, running, k):
         """`decode_steps` cycles at depth k in one device call (spec_steps.spec_decode_steps), the
@@ -138,24 +133,18 @@ class SpeculativeCycle:
         return SpecCall(rows, k, self.decode_steps, outs, carry, x)
 
     def _spec_chainable(self, call) -> bool:
-        """Whether the call after `call` can be dispatched before the host reads `call` (as
-        QueuedDecode._chainable for decode calls): no waiting request could take a free slot, no
-        aborted row still feeds, some row will still be decoding after it, the controller keeps
-        the depth, and the pages the next call may write are free without preempting anyone."""
-        if self.waiting and None in self.slots:
-            return False
-        if any(r.cache_ahead for r in call.rows):
-            return False
+        """Whether the call after `call` can be dispatched before the host reads `call`: the
+        controller keeps the depth, and QueuedDecode._chainable's conditions hold for calls
+        feeding up to steps * (depth + 1) tokens a row. A depth it chooses instead is kept for
+        the step that runs it."""
         rows = [r for r in call.rows if r.finished is None]
-        if not any(r.params.max_new_tokens - len(r.output) > call.steps * (call.depth + 1) for r in rows):
+        if not rows:
             return False
         self._spec_next = self.spec.choose([r.id for r in rows])
-        if self._spec_next != call.depth:  # (kept for the step that runs it)
-            return False
-        self._spec_next = None
-        # this call and the next feed at most 2 * steps * (depth + 1) tokens past what the host knows
-        span = 2 * call.steps * (call.depth + 1)
-        return self._reserve_pages(rows, {id(r): min(r.fed + span, self.max_seq_len) for r in rows})
+        if self._spec_next == call.depth and self._chainable(call, call.steps * (call.depth + 1)):
+            self._spec_next = None
+            return True
+        return False
 
     def _spec_chain(self, call) -> "SpecCall":
         """Dispatch the call that continues `call` from its device outputs."""

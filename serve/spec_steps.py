@@ -1,10 +1,10 @@
 """Speculative decoding with n-gram drafts as one device call of several cycles: each cycle drafts
 on device (drafters.ngram_drafts over each row's recent tokens), verifies (steps.verify) and
 commits, and the next cycle starts from what the last one committed, so the host's launch and
-its read of the results are paid once a call, not once a cycle; and as with decode calls, the
-next call can be queued on device from this one's outputs before the host reads them. A host cycle (spec_cycle.py)
-waits for each verify pass's result before it can draft the next: its launch and transfers were
-longer than the pass itself on a small model."""
+its read of the results are paid once a call, not once a cycle; as with decode calls, the next
+call can be queued on device from this one's outputs before the host reads them. A host cycle
+(spec_cycle.py) waits for each verify pass's result before it can draft the next: its launch
+and transfers were longer than the pass itself on a small model."""
 from __future__ import annotations
 
 import functools
