@@ -6,13 +6,13 @@ import os
 import subprocess
 import sys
 from tests import paths
+from tests.sharding.processes import cpu_env
 
 ROOT = str(paths.ROOT)
 
 
 def test_bench_sharded_smoke(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = cpu_env(8)
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "sharded", "--smoke", "--out", str(tmp_path)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

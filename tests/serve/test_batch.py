@@ -108,7 +108,7 @@ def test_batch_on_a_mesh_with_dcp(tmp_path, tiny_models):
     with open(inp, "w") as f:
         for i, p in enumerate(prompts):
             f.write(json.dumps({"id": i, "prompt": p, "max_new_tokens": 5}) + "\n")
-    env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = cpu_env(8)
     subprocess.run(_cmd(inp, out) + ["--tensor", "2", "--dcp", "4"], env=env, check=True, capture_output=True,
                    timeout=300)
     got = sorted((r["id"], r["tokens"]) for r in map(json.loads, open(out)))

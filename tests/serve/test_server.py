@@ -316,9 +316,13 @@ def test_two_processes_serve_one_mesh(model, mesh):
         got = asyncio.run(run())
         health = httpx.get(url + "/health", timeout=10).json()
         metrics = httpx.get(url + "/metrics", timeout=10).text
+        served = True
     finally:
         procs[0].send_signal(signal.SIGINT)
         status = finish(procs, 120)
+        if "served" not in locals():  # what the servers said, beside what the client saw
+            for pid, (rc, err) in enumerate(status):
+                print(f"--- process {pid} exited {rc}:\n{err[-3000:]}")
     want = [kimik3.generate(model, [p], max_new_tokens=n)[0] for p, n in zip(prompts + prompts[:1], lengths + [4])]
     assert got == want
     # the engine counters cover every replica: each request's prompt counted once

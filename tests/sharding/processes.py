@@ -21,8 +21,11 @@ def free_port() -> int:
 
 def cpu_env(devices: int) -> dict:
     """This environment for a child process of `devices` fake CPU devices that imports this
-    checkout's packages."""
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    checkout's packages. Other XLA flags of this process (tests/conftest.py's) carry over: a child
+    compiles as the tests' own process does."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    return dict(os.environ, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
                 PYTHONPATH=os.pathsep.join([str(paths.ROOT), os.environ.get("PYTHONPATH", "")]))
 
 
