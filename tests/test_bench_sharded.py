@@ -2,7 +2,6 @@
 with a tiny config, in a subprocess; its JSON has every section, says the sharded runs equal one
 device, and its byte counts agree with the arrays and memory_report (~40 s on 2 cores)."""
 import json
-import os
 import subprocess
 import sys
 from tests import paths
