@@ -21,6 +21,7 @@ OUTPUT = os.path.join(os.path.dirname(HERE), "BENCHMARKS.md")
 ORDER = ["kda", "mla", "mla-prefill", "moe", "attnres", "dense", "engine", "sharded"]  # others follow by name
 TIME_UNITS = ("ns", "us", "ms", "s")
 META = ("date", "device", "commit", "command")  # where a row comes from
+COLUMNS = ["shape", "ours", "peer", "ratio", "% of limit"]
 
 PREAMBLE = """# Benchmarks
 
@@ -84,8 +85,11 @@ def render(runs: list[dict]) -> str:
         if shared:
             out.append(", ".join(shared) + "\n")
         extra = [name for name, v in zip(META, varies) if v]
-        out.append("| shape | ours | peer | ratio | % of limit |" + "".join(f" {n} |" for n in extra))
-        out.append("|---|---|---|---|---|" + "---|" * len(extra))
+        notes = {r.get("note", "") for _, r in rows}
+        shared_note = notes.pop() if len(notes) == 1 and all(r["limit_pct"] is None for _, r in rows) else ""
+        if shared_note:  # a note every row carries: said once, under the table
+            rows = [(run, dict(r, note="")) for run, r in rows]
+        cells = []
         for (run, r), meta in zip(rows, metas):
             unit = r["unit"]
             peer = "-" if r["peer"] is None else f"{_num(r['peer'])} {unit}" + (
@@ -94,8 +98,15 @@ def render(runs: list[dict]) -> str:
             limit = " ".join(filter(None, ["" if r["limit_pct"] is None else f"{r['limit_pct']:.1f}%",
                                            r.get("note", "")])) or "-"
             ours = "-" if r["ours"] is None else f"{_num(r['ours'])} {unit}"
-            out.append(f"| {r['shape']} | {ours} | {peer} | {'-' if x is None else f'{x:.2f}x'} | {limit} |"
-                       + "".join(f" {m} |" for m, v in zip(meta, varies) if v))
+            cells.append([r["shape"], ours, peer, "-" if x is None else f"{x:.2f}x", limit]
+                         + [m for m, v in zip(meta, varies) if v])
+        # columns no row fills are left out
+        keep = [i for i, name in enumerate(COLUMNS + extra) if i == 0 or any(c[i] != "-" for c in cells)]
+        out.append("| " + " | ".join((COLUMNS + extra)[i] for i in keep) + " |")
+        out.append("|" + "---|" * len(keep))
+        out += ["| " + " | ".join(c[i] for i in keep) + " |" for c in cells]
+        if shared_note:
+            out.append(f"\n{shared_note}")
         out.append("")
     out.append("## Commands\n")
     out += [f"({i + 1}) `{c}`  " for i, c in enumerate(commands)]

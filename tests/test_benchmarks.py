@@ -15,7 +15,7 @@ def test_benchmarks_md_is_the_report_of_the_committed_results(capsys):
     assert main(["report", "--check"]) == 0, capsys.readouterr().err
     # a table, not a diary: one table per area, its headline shapes only (the rest stay in the
     # JSON's details), one line per command
-    assert len(open(report.OUTPUT).read()) < 17_000
+    assert len(open(report.OUTPUT).read()) < 16_000
 
 
 def test_report_ratios_commands_and_per_row_runs(tmp_path):
@@ -39,6 +39,11 @@ def test_report_ratios_commands_and_per_row_runs(tmp_path):
     text = report.render(report.load(str(tmp_path)))  # one run made both B rows: said once, under the heading
     assert "## B vs P\n\n2026-01-02, GPU X, commit abc1234, command (1)\n\n| shape | ours | peer | ratio | % of limit |\n" in text
     assert "| s3 | 2.000 ms | 3.000 ms | 1.50x | 50.0% of copy |\n" in text
+    (tmp_path / "attnres.json").write_text(json.dumps({**run, "benchmark": "attnres", "rows": [
+        {**run["rows"][0], "area": "C", "shape": f"s{i}", "peer": None, "limit_pct": None, "note": "same"}
+        for i in (4, 5)]}))
+    text = report.render(report.load(str(tmp_path)))  # no peer, no limit: those columns go; the note is said once
+    assert "| shape | ours |\n|---|---|\n| s4 | 2.000 ms |\n| s5 | 2.000 ms |\n\nsame\n" in text
     out = tmp_path / "B.md"
     assert main(["report", "--results", str(tmp_path), "--output", str(out), "--check"]) == 1
     assert main(["report", "--results", str(tmp_path), "--output", str(out)]) == 0
