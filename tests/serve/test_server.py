@@ -291,7 +291,7 @@ def test_two_processes_serve_one_mesh(model, mesh):
            "--decode-steps", "4"]  # test_batch's 2-process engine: its programs are in the compilation cache
     procs = [subprocess.Popen(cmd + process_flags(pid, 2, port), env=cpu_env(4), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for pid in range(2)]
-    url = f"http://127.0.0.1:{http}"
+    url, served = f"http://127.0.0.1:{http}", False
     try:
         wait_for_health(url, procs, 400)
         prompts, lengths = _prompts(3, 1), [3, 6, 9]
@@ -320,7 +320,7 @@ def test_two_processes_serve_one_mesh(model, mesh):
     finally:
         procs[0].send_signal(signal.SIGINT)
         status = finish(procs, 120)
-        if "served" not in locals():  # what the servers said, beside what the client saw
+        if not served:  # what the servers said, beside what the client saw
             for pid, (rc, err) in enumerate(status):
                 print(f"--- process {pid} exited {rc}:\n{err[-3000:]}")
     want = [kimik3.generate(model, [p], max_new_tokens=n)[0] for p, n in zip(prompts + prompts[:1], lengths + [4])]
