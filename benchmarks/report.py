@@ -100,9 +100,9 @@ def render(runs: list[dict]) -> str:
             ours = "-" if r["ours"] is None else f"{_num(r['ours'])} {unit}"
             cells.append([r["shape"], ours, peer, "-" if x is None else f"{x:.2f}x", limit]
                          + [m for m, v in zip(meta, varies) if v])
-        # columns no row fills are left out
-        keep = [i for i, name in enumerate(COLUMNS + extra) if i == 0 or any(c[i] != "-" for c in cells)]
-        out.append("| " + " | ".join((COLUMNS + extra)[i] for i in keep) + " |")
+        header = COLUMNS + extra
+        keep = [i for i in range(len(header)) if i == 0 or any(c[i] != "-" for c in cells)]  # no empty columns
+        out.append("| " + " | ".join(header[i] for i in keep) + " |")
         out.append("|" + "---|" * len(keep))
         out += ["| " + " | ".join(c[i] for i in keep) + " |" for c in cells]
         if shared_note:

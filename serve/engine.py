@@ -74,10 +74,11 @@ class Engine(QueuedDecode, SpeculativeCycle):
         device_cache_bytes bounds the KDA checkpoints kept on device (default: one checkpoint per
         checkpoint_interval tokens the page pool holds, at least one per slot: cached history is
         only restorable with a checkpoint at its end, and sessions waiting between turns outnumber
-        the slots), host_cache_bytes the host tier both move to when evicted (0: none). checkpoint_interval: tokens between checkpoints taken inside a long
-        prefill (default: the tokens whose MLA pages weigh as much as one checkpoint, rounded up
-        to a multiple of the block and of prefill_chunk, so interior checkpoints never outweigh
-        the pages they pair with and never cut a chunk short).
+        the slots), host_cache_bytes the host tier both move to when evicted (0: none).
+        checkpoint_interval: tokens between checkpoints taken inside a long prefill (default:
+        the tokens whose MLA pages weigh as much as one checkpoint, rounded up to a multiple of
+        the block and of prefill_chunk, so interior checkpoints never outweigh the pages they
+        pair with and never cut a chunk short).
         speculative: None, "ngram" (drafts from the request's own tokens) or a kimik3 Model sharing
         the tokenizer (drafts greedily on its own cache); num_speculative_tokens: "auto" (the
         depth with the most committed tokens per second, measured; 0 = off) or an int 1..7."""
@@ -210,9 +211,9 @@ class Engine(QueuedDecode, SpeculativeCycle):
         """Compile what steady serving runs (each prefill width, the decode calls, each speculative
         depth's verify pass or, with n-gram drafts, its on-device cycles; the prefix cache's state
         and page copies; with `logprobs`, the steps' logprob variants too) before the first
-        request, as servers capture their graphs at start-up: no request then waits for a compile and speculation's first cycles are
-        timed, not compiled. Returns how many of the steps' programs were compiled (0 where this
-        process already holds them)."""
+        request, as servers capture their graphs at start-up: no request then waits for a compile
+        and speculation's first cycles are timed, not compiled. Returns how many of the steps'
+        programs were compiled (0 where this process already holds them)."""
         self._check_open()
         if self.has_work():
             raise RuntimeError("Engine.warmup runs before the first request: call it right after Engine(...)")
