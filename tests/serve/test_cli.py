@@ -140,7 +140,7 @@ def test_batch_cache_flags(tiny_models, tmp_path, capsys):
     prefix = list(range(1, 33))
     prompts = tmp_path / "in.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": prefix + [40 + i, 50 + i]}) + "\n" for i in range(6)))
-    base = ["batch", "--model", "tiny", "--input", str(prompts), "--max-batch", "2", "--max-seq-len", "64",
+    base = ["batch", "--model", "tiny", "--input", str(prompts), "--max-batch", "2", "--max-seq-len", "128",
             "--page-size", "8", "--max-new-tokens", "3", "--quiet"]
     runs = {}
     for name, extra in (("on", ["--cache-block", "8"]), ("off", ["--no-prefix-cache"])):

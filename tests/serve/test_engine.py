@@ -91,7 +91,7 @@ def test_bad_requests_and_budgets(model):
     with pytest.raises(ValueError, match="empty prompt"):
         eng.submit([])
     with pytest.raises(ValueError, match="holds .* cache pages .* raise the budget"):
-        Engine(model, max_batch=2, max_seq_len=256, page_size=8, memory_budget_bytes=100_000)
+        Engine(model, max_batch=2, max_seq_len=256, page_size=8, memory_budget_bytes=50_000)
     sized = Engine(model, max_batch=2, max_seq_len=64, page_size=8, memory_budget_bytes=2_000_000)
     assert sized.allocator.num_pages * sized.page_bytes + 2 * sized.slot_bytes <= 2_000_000
 

@@ -85,9 +85,10 @@ def test_default_budget_keeps_a_checkpoint_for_every_waiting_session(model, refe
     """With the default checkpoint budget and a pool that holds every session's pages, sessions
     waiting between turns outnumber the slots (30 sessions, 6 slots): each one's checkpoints
     survive the others' turns, so every second turn hits (a budget of one checkpoint per slot
-    kept 6 and hit almost nothing)."""
+    kept 6 and hit almost nothing). The default gives one checkpoint per checkpoint interval of
+    the pool's tokens: 600 pages of 8 hold 100 of the tiny model's 48-token intervals."""
     plans, want = reference
-    outs, hits, eng = _run_sessions(model, plans, 2, check=False, cache_block=BLOCK, num_pages=400)
+    outs, hits, eng = _run_sessions(model, plans, 2, check=False, cache_block=BLOCK, num_pages=600)
     assert outs == {k: v for k, v in want.items() if k[1] < 2}
     assert all(hits[s, 1] > 0 for s in range(30)), [hits[s, 1] for s in range(30)]
 

@@ -143,5 +143,5 @@ def test_calibrated_cache_scale_keeps_large_latents():
     with pytest.raises(ValueError, match="headroom"):
         kimik3.calibrate_mla_cache_scale(model, prompts, headroom=0.5)
     with pytest.raises(ValueError, match="no MLA layer"):
-        linear_only = kimik3.Config.preset("tiny").replace(layer_types=("kda",) * 5)
+        linear_only = kimik3.Config.preset("tiny").replace(num_layers=1, layer_types=("kda",))
         kimik3.calibrate_mla_cache_scale(kimik3.init(linear_only, seed=0), prompts)
