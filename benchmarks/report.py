@@ -25,11 +25,10 @@ COLUMNS = ["shape", "ours", "peer", "ratio", "% of limit"]
 
 PREAMBLE = """# Benchmarks
 
-Made by `python -m benchmarks report` from `benchmarks/results/*.json`, each benchmark's latest
-run; history is in git. Peers ran in the same process on identical inputs. **ratio**: times
-faster than the peer. **% of limit**: of the copy bandwidth (read + write) or the bf16 matmul peak
-measured in the same run. **commit**: the code measured (older rows: the commit that recorded
-them, whose scripts their commands, listed at the end, ran). Nothing was measured on AMD.
+Made by `python -m benchmarks report` from `benchmarks/results/*.json` (each benchmark's latest
+run; history is in git). Peers ran in-process on the same inputs. **ratio**: times
+faster than the peer. **% of limit**: of the copy bandwidth (read + write) or bf16 matmul peak
+measured in the same run. **commit**: whose code (and scripts) ran the command. No AMD runs yet.
 """
 
 
