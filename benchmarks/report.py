@@ -26,9 +26,9 @@ COLUMNS = ["shape", "ours", "peer", "ratio", "% of limit"]
 PREAMBLE = """# Benchmarks
 
 Made by `python -m benchmarks report` from `benchmarks/results/*.json` (each benchmark's latest
-run; history is in git). Peers ran in-process on the same inputs. **ratio**: times
-faster than the peer. **% of limit**: of the copy bandwidth (read + write) or bf16 matmul peak
-measured in the same run. **commit**: whose code (and scripts) ran the command. No AMD runs yet.
+run; history is in git). Peers ran in-process on the same inputs. **ratio**: times faster than
+the peer. **% of limit**: of the copy bandwidth (read + write) or bf16 matmul peak measured in
+the same run. **commit**: whose code (and scripts) ran the command. No AMD runs yet.
 """
 
 
