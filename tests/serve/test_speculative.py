@@ -454,3 +454,33 @@ def test_ngram_cycles_on_device_slide_their_window(model, monkeypatch):
     eng = Engine(model, **SHAPE, decode_steps=3, speculative="ngram", num_speculative_tokens=2)
     assert eng.generate(prompts, max_new_tokens=30, stop_tokens=[]) == want
     assert eng.stats()["spec_accepted_tokens"] > 0
+
+
+def test_cycles_without_drafts_run_plain_decoding_s_step(model, monkeypatch):
+    """A device cycle in which no row has a draft runs the decode step, not a verify pass (which
+    costs more and, on the GPU, rounds differently): with the verify pass made wrong, a row the
+    drafter finds nothing for keeps plain decoding's tokens, and a row it drafts for does not."""
+    import serve.spec_steps as spec_steps
+
+    real = spec_steps.verify
+
+    def wrong(model, layers, tokens, *args):
+        samples, accepted, lp, layers = real(model, layers, tokens, *args)
+        return (samples + 1) % model.cfg.vocab_size, accepted, lp, layers
+
+    monkeypatch.setattr(spec_steps, "verify", wrong)
+    spec_steps.spec_decode_steps.clear_cache()  # traced again with the wrong verify pass, and after
+    try:
+        rng = np.random.RandomState(7)
+        fresh = [list(map(int, rng.randint(1, 256, 12)))]
+        params = [SamplingParams(max_new_tokens=10, temperature=0.9, seed=3, stop_tokens=())]
+        plain = Engine(model, **SHAPE, decode_steps=3)
+        eng = Engine(model, **SHAPE, decode_steps=3, speculative="ngram", num_speculative_tokens=3)
+        assert eng.generate(fresh, params=params) == plain.generate(fresh, params=params)
+        assert eng.stats()["spec_draft_tokens"] == 0
+        repeating = [[1, 2, 3, 2, 3], _repetitive_prompts(1, 5)[0]]  # greedy: drafts found
+        want = plain.generate(repeating, max_new_tokens=30, stop_tokens=[])
+        assert eng.generate(repeating, max_new_tokens=30, stop_tokens=[]) != want
+        assert eng.stats()["spec_draft_tokens"] > 0
+    finally:
+        spec_steps.spec_decode_steps.clear_cache()
