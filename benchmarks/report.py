@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,7 +29,8 @@ PREAMBLE = """# Benchmarks
 Made by `python -m benchmarks report` from `benchmarks/results/*.json` (each benchmark's latest
 run; history is in git). Peers ran in-process on the same inputs. **ratio**: times faster than
 the peer. **% of limit**: of the copy bandwidth (read + write) or bf16 matmul peak measured in
-the same run. **commit**: whose code (and scripts) ran the command. No AMD runs yet.
+the same run. **commit**: whose code (and scripts) ran the command. **device**: H100 is the
+NVIDIA H100 80GB HBM3, H200 the NVIDIA H200. No AMD runs yet.
 """
 
 
@@ -59,6 +61,11 @@ def shown_command(command: str) -> str:
                     if not w.startswith(("PYTHONUNBUFFERED=", "PYTHONPATH=")))
 
 
+def shown_device(device: str) -> str:
+    """The device as the table shows it: the GPU's model (NVIDIA H100 80GB HBM3 -> H100)."""
+    return re.sub(r"NVIDIA |\s+\d+GB[^,]*", "", device)
+
+
 def render(runs: list[dict]) -> str:
     areas: dict[str, list[tuple[dict, dict]]] = {}
     for run in runs:
@@ -76,7 +83,7 @@ def render(runs: list[dict]) -> str:
             command = shown_command(r.get("command") or run["command"])
             if command not in commands:
                 commands.append(command)
-            metas.append((meta["date"], meta["device"], meta["commit"], f"({commands.index(command) + 1})"))
+            metas.append((meta["date"], shown_device(meta["device"]), meta["commit"], f"({commands.index(command) + 1})"))
         # what every row shares is said once, under the heading; what differs gets a column
         varies = [len({m[i] for m in metas}) > 1 for i in range(len(META))]
         shared = [f"{'commit ' if name == 'commit' else 'command ' if name == 'command' else ''}{metas[0][i]}"
