@@ -1,5 +1,6 @@
 """CPU test setup: 8 fake host devices for mesh tests, fp32 matmuls at full precision."""
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
@@ -24,7 +25,27 @@ TINY_VARIANTS = ("tiny", "tiny-linear")
 @pytest.fixture(scope="session")
 def tiny_models():
     """One random model per tiny variant, shared by the whole session (init compiles once)."""
-    return {name: kimik3.init(kimik3.Config.preset(name), seed=0) for name in TINY_VARIANTS}
+    return {name: _tiny_model(name) for name in TINY_VARIANTS}
+
+
+def _tiny_model(name: str):
+    """kimik3.init of the preset (seed 0). Under tests/run_all.py ($KIMIK3_TEST_MODELS names a
+    folder of the run) the files' processes share it: the first initialises and saves it, the
+    others load it (a second or so, where init traces and compiles the whole model)."""
+    shared = os.environ.get("KIMIK3_TEST_MODELS")
+    if not shared:
+        return kimik3.init(kimik3.Config.preset(name), seed=0)
+    path = os.path.join(shared, f"{name}-seed0")
+    if os.path.isdir(path):  # only whole saves appear there (renamed into place)
+        return kimik3.load(path)
+    model = kimik3.init(kimik3.Config.preset(name), seed=0)
+    staging = tempfile.mkdtemp(dir=shared)
+    kimik3.save(model, os.path.join(staging, name))
+    try:
+        os.rename(os.path.join(staging, name), path)
+    except OSError:  # another process saved it first
+        pass
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ signal is run once more and reported as such; test failures are never retried.
 
 The processes share one persistent compilation cache, made fresh for the run (unless
 $JAX_COMPILATION_CACHE_DIR names one): the tiny models' programs that many files compile are
-compiled once. Each file's output is printed whole when it ends, longest-running files first.
+compiled once. The tiny models are initialised once too: the first file to need one saves it,
+the others load it. Each file's output is printed whole when it ends, longest-running files first.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def main(argv: list[str]) -> int:
     if own_cache:
         env["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kimik3-tests-xla-")
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["KIMIK3_TEST_MODELS"] = models = tempfile.mkdtemp(prefix="kimik3-tests-models-")  # conftest's tiny models
     todo = order(list(HERE.rglob("test_*.py")))
     running, failed, retried, tries = {}, [], [], {}
     t0 = time.time()
@@ -88,6 +90,7 @@ def main(argv: list[str]) -> int:
             proc.kill()
         if own_cache:
             shutil.rmtree(env["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+        shutil.rmtree(models, ignore_errors=True)
     if retried:
         print("== crashed and re-run: " + ", ".join(retried))
     print(f"== {time.time() - t0:.0f} s with {jobs} at once")
