@@ -21,15 +21,12 @@ from .steps import STOP_SLOTS, compiled_programs, verify_step
 class SpeculativeCycle:
     def _speculate(self, running, k=None):
         """One draft-verify-commit cycle for the decoding rows at depth k (None: the controller
-        chooses), or None when that is 0 or no row has a draft (plain decode steps then run)."""
+        chooses), or None when that is 0 or no row has a draft (plain decode steps then run).
+        With n-gram drafts the cycles run on device, several a call, once some row has a draft."""
         if k is None:
             k = self.spec.choose([r.id for r in running])
         if k == 0:
             return None
-        if self._cycles_on_device(running):
-            events = self._speculate_on_device(running, k)
-            if events is not None:
-                return events
         rows = {}
         for r in running:  # a row drafts only what it can still commit and what fits the cache
             room = min(k, r.params.max_new_tokens - len(r.output) - 1, self.max_seq_len - r.fed - 1)
@@ -43,6 +40,12 @@ class SpeculativeCycle:
             for key, _, room in rows.values():
                 self.spec.record(key, 0, 0, offered=room)
             return None
+        # the host's drafts decide whether cycles run at all: where no row has one, plain decoding's
+        # step runs (its cost and, on the GPU, its rounding: a verify pass rounds differently)
+        if self._cycles_on_device(running):
+            events = self._speculate_on_device(running, k)
+            if events is not None:
+                return events
         B = self.max_batch
         for r in list(running):
             if r.slot is not None and not self._ensure_pages(r, r.fed + 1 + len(drafts.get(r.slot, []))):

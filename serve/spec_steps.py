@@ -2,11 +2,9 @@
 on device (drafters.ngram_drafts over each row's recent tokens), verifies (steps.verify) and
 commits, and the next cycle starts from what the last one committed, so the host's launch and
 its read of the results are paid once a call, not once a cycle; as with decode calls, the next
-call can be queued on device from this one's outputs before the host reads them. A cycle in
-which no row has a draft runs plain decoding's step instead of a verify pass, which would cost
-more and, on the GPU, round differently. A host cycle (spec_cycle.py) waits for each verify
-pass's result before it can draft the next: its launch and transfers were longer than the pass
-itself on a small model."""
+call can be queued on device from this one's outputs before the host reads them. A host cycle
+(spec_cycle.py) waits for each verify pass's result before it can draft the next: its launch
+and transfers were longer than the pass itself on a small model."""
 from __future__ import annotations
 
 import functools
@@ -18,7 +16,7 @@ import numpy as np
 from kimik3.model import Model
 
 from .drafters import ngram_drafts
-from .steps import JITTED_STEPS, STOP_SLOTS, decode_token, verify
+from .steps import JITTED_STEPS, STOP_SLOTS, verify
 
 SPEC_WINDOW = 4096  # recent tokens a row's n-gram lookup searches
 
@@ -54,18 +52,8 @@ def spec_decode_steps(model: Model, layers, hist, hist_len, start, active, page_
         last = jnp.take_along_axis(hist, jnp.maximum(hist_len - 1, 0)[:, None], axis=1)
         tokens = jnp.concatenate([last, drafts], axis=1)
         n_new = act * (1 + drafted)
-
-        def verify_drafts(layers):
-            samples, accepted, _, layers = verify(model, layers, tokens, start, n_new, page_table, seeds, gen,
-                                                  temperature, top_k, top_p, stops, backend, dcp_axes)
-            return samples, accepted, layers
-
-        def decode_one(layers):  # no row drafted: plain decoding's step (its kernels, cost and tokens)
-            nxt, _, layers = decode_token(model, layers, last[:, 0], start, act, page_table, seeds, gen,
-                                          temperature, top_k, top_p, backend, dcp_axes)
-            return jnp.pad(nxt[:, None], ((0, 0), (0, depth))), jnp.zeros(B, jnp.int32), layers
-
-        samples, accepted, layers = jax.lax.cond(jnp.any(drafted > 0), verify_drafts, decode_one, layers)
+        samples, accepted, _, layers = verify(model, layers, tokens, start, n_new, page_table, seeds, gen,
+                                              temperature, top_k, top_p, stops, backend, dcp_axes)
         n = jnp.where(n_new > 0, accepted + 1, 0)
         j = jnp.arange(T)[None, :]
         at = jnp.where(j < n[:, None], hist_len[:, None] + j, H)  # H: past the end, dropped

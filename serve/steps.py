@@ -56,8 +56,10 @@ def decode_steps(model: Model, layers, tokens, start, active, page_table, seeds,
     def body(i, carry):
         layers, tok, start, gen, out, live, lp_out = carry
         act = active * live
-        nxt, lp, layers = decode_token(model, layers, tok, start, act, page_table, seeds, gen, temperature,
-                                       top_k, top_p, backend, dcp_axes, logprobs)
+        logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tok[:, None], layers, start,
+                                                 act, backend=backend, page_table=page_table,
+                                                 dcp_axes=dcp_axes)
+        nxt, lp = sample_step(logits[:, 0], seeds, gen, temperature, top_k, top_p, logprobs)
         if logprobs:
             lp_out = tuple(o.at[i].set(v) for o, v in zip(lp_out, lp))
         live = live * ((gen + 1 < limit) & ~(nxt[:, None] == stops).any(-1))
@@ -74,17 +76,6 @@ def decode_steps(model: Model, layers, tokens, start, active, page_table, seeds,
     layers, last, end, gen, out, live, lp_out = jax.lax.fori_loop(
         0, steps, body, (layers, tokens, start, gen_idx, out, live, lp_out))
     return out, end - start, lp_out, (last, end, active * live, gen), layers
-
-
-def decode_token(model: Model, layers, tok, start, act, page_table, seeds, gen_idx, temperature, top_k, top_p,
-                 backend=None, dcp_axes=(), logprobs=False):
-    """One decode step: rows with act = 1 feed tok [B] at position start and sample the next token
-    (key index gen_idx). Returns (sampled [B], log-probabilities or None, layers). Speculation's
-    cycles without drafts run this too, so their tokens are plain decoding's, bit for bit."""
-    logits, layers = KimiLM(model.cfg).apply({"params": model.params}, tok[:, None], layers, start, act,
-                                             backend=backend, page_table=page_table, dcp_axes=dcp_axes)
-    nxt, lp = sample_step(logits[:, 0], seeds, gen_idx, temperature, top_k, top_p, logprobs)
-    return nxt, lp, layers
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "dcp_axes", "logprobs"), donate_argnames=("layers",))

@@ -456,10 +456,11 @@ def test_ngram_cycles_on_device_slide_their_window(model, monkeypatch):
     assert eng.stats()["spec_accepted_tokens"] > 0
 
 
-def test_cycles_without_drafts_run_plain_decoding_s_step(model, monkeypatch):
-    """A device cycle in which no row has a draft runs the decode step, not a verify pass (which
-    costs more and, on the GPU, rounds differently): with the verify pass made wrong, a row the
-    drafter finds nothing for keeps plain decoding's tokens, and a row it drafts for does not."""
+def test_no_cycle_runs_where_no_row_has_a_draft(model, monkeypatch):
+    """Speculative cycles run only once the host finds a draft for some row; until then plain
+    decoding's step runs, not a verify pass (which costs more and, on the GPU, rounds
+    differently): with the verify pass made wrong, a row the drafter finds nothing for keeps
+    plain decoding's tokens, and a row it drafts for does not."""
     import serve.spec_steps as spec_steps
 
     real = spec_steps.verify
