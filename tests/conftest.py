@@ -14,6 +14,8 @@ os.environ["XLA_FLAGS"] = flags.strip()
 
 import kimik3  # noqa: E402,F401  (applies the XLA:CPU workarounds before JAX starts)
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -37,7 +39,10 @@ def _tiny_model(name: str):
         return kimik3.init(kimik3.Config.preset(name), seed=0)
     path = os.path.join(shared, f"{name}-seed0")
     if os.path.isdir(path):  # only whole saves appear there (renamed into place)
-        return kimik3.load(path)
+        loaded = kimik3.load(path)
+        # as init's are: not committed to a device, so they mix with arrays placed on a mesh
+        return kimik3.Model(params=jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), loaded.params),
+                            cfg=loaded.cfg)
     model = kimik3.init(kimik3.Config.preset(name), seed=0)
     staging = tempfile.mkdtemp(dir=shared)
     kimik3.save(model, os.path.join(staging, name))
