@@ -40,8 +40,8 @@ class SpeculativeCycle:
             for key, _, room in rows.values():
                 self.spec.record(key, 0, 0, offered=room)
             return None
-        # the host's drafts decide whether cycles run at all: where no row has one, plain decoding's
-        # step runs (its cost and, on the GPU, its rounding: a verify pass rounds differently)
+        # the host's lookup only decides whether cycles run at all (the device looks again, each
+        # cycle): where no row has a draft, plain decoding's step runs, with its cost and rounding
         if self._cycles_on_device(running):
             events = self._speculate_on_device(running, k)
             if events is not None:
