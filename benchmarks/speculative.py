@@ -19,8 +19,10 @@ with the depth the controller settled on and the measurements behind it.
 Each engine is warmed up (Engine.warmup), then decodes the prompts twice, the second time as new
 requests: the first pass has a fresh depth controller, which must time the depths it tries on
 these very requests; the second runs as a server's controller does, on cycle times measured on
-earlier requests. The rows give the second pass against plain decoding's second pass, the first
-pass's ratio in the note (both in the details). Outputs with speculation should equal plain
+earlier requests. The rows give the second pass against plain decoding's second pass while the
+batch was full (until a first row finished: a server refills its slot, and rows that finish apart
+leave a tail of a few rows that plain decoding, whose rows finish together, does not have); the
+whole pass's ratio and the first pass's are in the note (all in the details). Outputs with speculation should equal plain
 decoding's (same seeds); the rows that differ, and where, are recorded (on the GPU the verify
 pass's kernels round differently from the decode step's, so a near-tie can flip a greedy choice).
 
@@ -140,12 +142,16 @@ def decode(model, B, prompts, params, speculative, max_seq_len, depth="auto", pr
         jax.block_until_ready(eng.layers)
         before = sum(len(r.output) for r in reqs)
         left_out = getattr(drafter, "seconds", 0.0)
-        t = time.perf_counter()
+        t, full = time.perf_counter(), None
         while eng.has_work():
             eng.step()
+            if full is None and any(r.finished for r in reqs):  # the batch was full until now
+                full = (sum(len(r.output) for r in reqs) - before,
+                        time.perf_counter() - t - (getattr(drafter, "seconds", 0.0) - left_out))
         jax.block_until_ready(eng.layers)
         secs = time.perf_counter() - t - (getattr(drafter, "seconds", 0.0) - left_out)
-        passes.append(([list(r.output) for r in reqs], secs, sum(len(r.output) for r in reqs) - before, eng.stats()))
+        stats = dict(eng.stats(), full_batch_tokens_per_s=full[0] / full[1])
+        passes.append(([list(r.output) for r in reqs], secs, sum(len(r.output) for r in reqs) - before, stats))
     if profile:  # a pass of its own: the profiler's time stays out of the timed ones
         submit_and_prefill(eng, prompts, params, 2 * len(prompts))
         for _ in range(2):  # past the first calls of the decode
@@ -176,27 +182,43 @@ def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False)
     runs = {}
     for spec in (None, drafter):
         runs[spec is None] = decode(model, B, prompts, params, spec and spec(), max_len, depth, profile)
-    tps = {}
+    tps, full = {}, {}
     for i, name in enumerate(("cold", "warm")):
-        (plain, t_plain, n_plain, _), (ours, t_spec, n_spec, stats) = runs[True][i], runs[False][i]
+        (plain, t_plain, n_plain, plain_stats), (ours, t_spec, n_spec, stats) = runs[True][i], runs[False][i]
         differ = divergence(plain, ours)
         tps[name] = (n_spec / t_spec, n_plain / t_plain)
+        full[name] = (stats["full_batch_tokens_per_s"], plain_stats["full_batch_tokens_per_s"])
         acc = stats.get("spec_acceptance")
         rec.details.setdefault("cases", []).append(dict(
             batch=B, workload=workload, drafter=drafter_name, controller=name,
             plain_tokens_per_s=tps[name][1], spec_tokens_per_s=tps[name][0],
-            speedup=tps[name][0] / tps[name][1], rows_differing=len(differ), first_divergence=differ, **stats))
+            speedup=tps[name][0] / tps[name][1], plain_full_batch_tokens_per_s=full[name][1],
+            full_batch_speedup=full[name][0] / full[name][1], rows_differing=len(differ),
+            first_divergence=differ, **stats))
         rec.log(f"B{B} {workload} ({name} controller): plain {tps[name][1]:.1f} tok/s, {drafter_name} "
-                f"{tps[name][0]:.1f} tok/s ({tps[name][0] / tps[name][1]:.2f}x), depth {stats['spec_depth']}, "
+                f"{tps[name][0]:.1f} tok/s ({tps[name][0] / tps[name][1]:.2f}x; "
+                f"{full[name][0] / full[name][1]:.2f}x while the batch was full), {main_depth(stats)}, "
                 f"acceptance {acc}, rows differing {len(differ)}/{B} {differ}")
-    # the row: the warm controller's pass (a server's steady state); the fresh one's in the note
-    spec_tps, plain_tps = tps["warm"]
+    # the row: the warm controller's pass (a server's steady state) while every row still decoded
+    # (a server refills a finished row's slot; rows started together and finishing apart leave a
+    # tail of a few rows that plain decoding, whose rows all finish together, does not have); the
+    # whole pass and the fresh controller's in the note
+    (spec_tps, plain_tps), whole = full["warm"], tps["warm"][0] / tps["warm"][1]
     area = f"Speculative decoding, {drafter_name} drafts, " + ("auto depth" if depth == "auto" else f"depth {depth}")
-    cold = tps["cold"][0] / tps["cold"][1]
+    cold = full["cold"][0] / full["cold"][1]
     rec.row(area + (", trained tiny-code model" if workload == "code" else ""), f"B{B} {workload}",
             spec_tps, "tokens/s", peer=plain_tps, peer_name="plain",
-            note=f"depth {stats['spec_depth']}, acceptance {0 if acc is None else acc:.2f}, "
-                 f"{len(differ)}/{B} rows differ; fresh controller {cold:.2f}x" + profile_note(runs))
+            note=f"{main_depth(stats)}, acceptance {0 if acc is None else acc:.2f}, {len(differ)}/{B} rows "
+                 f"differ; to the last row {whole:.2f}x; fresh controller {cold:.2f}x" + profile_note(runs))
+
+
+def main_depth(stats) -> str:
+    """The depth that committed most of the pass's tokens, and its share."""
+    spent = {k: v["tokens"] for k, v in stats.get("spec_spent", {}).items()}
+    if not spent:
+        return "depth 0"
+    top = max(spent, key=spent.get)
+    return f"{top} ({spent[top] / max(1, sum(spent.values())):.0%} of tokens)"
 
 
 def profile_note(runs) -> str:

@@ -485,6 +485,7 @@ class Engine(QueuedDecode, SpeculativeCycle):
                 self.spec.timed_undrafted(len(running), undrafted, clock.seconds, clock.compiled)
             else:
                 self.spec.timed(len(running), 0, clock.seconds / steps, clock.compiled)
+            self.spec.account(undrafted, clock.seconds, int(n_new[[r.slot for r in running]].sum()), clock.compiled)
         self._reset[:] = False
         return self._apply(running, sampled, n_new, lp, prefilling)
 

@@ -58,8 +58,9 @@ class QueuedDecode:
                 self._pending = self._chain(call)
             sampled, n_new, lp = call.results()
         if chain and self.spec is not None:  # a queued call's wall time is the interval between step ends
-            self.spec.timed(len(rows) or 1, 0, (time.perf_counter() - self._step_end) / call.steps,
-                            compiled_programs() > programs)
+            seconds, compiled = time.perf_counter() - self._step_end, compiled_programs() > programs
+            self.spec.timed(len(rows) or 1, 0, seconds / call.steps, compiled)
+            self.spec.account(0, seconds, int(n_new[[r.slot for r in rows]].sum()), compiled)
         return self._apply(rows, sampled, n_new, lp, False)
 
     def _spec_stays_off(self, rows) -> bool:

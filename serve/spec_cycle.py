@@ -75,6 +75,7 @@ class SpeculativeCycle:
             samples, accepted = np.asarray(samples), np.asarray(accepted)
             lp = lp and tuple(np.asarray(a) for a in lp)
         self.spec.timed(len(running), k, clock.seconds, clock.compiled)
+        self.spec.account(k, clock.seconds, int(accepted[[r.slot for r in running]].sum()) + len(running), clock.compiled)
         events = []
         for r in running:
             s = r.slot
@@ -177,6 +178,7 @@ class SpeculativeCycle:
         rows = [r for r in call.rows if r.finished is None]
         ran = int((committed.sum(1) > 0).sum()) or 1
         self.spec.timed(len(rows) or 1, call.depth, seconds / ran, compiled)
+        self.spec.account(call.depth, seconds, int(committed[:, [r.slot for r in rows]].sum()), compiled)
         events = []
         for r in rows:
             s, kept = r.slot, []

@@ -13,14 +13,19 @@ the deepest shallower depth timed (a deeper verify does that work and more), so 
 while acceptance could make it pay, the shallowest such depth first: a slow shallow depth rules
 out the deeper ones untried. A call that compiled a program is not timed. A cycle in which no row
 has a draft runs one plain token, which is what every depth costs while the drafter finds
-nothing: it times all the depths not yet timed. Each cycle runs the best estimate; a timed depth not chosen is re-timed, so that the
-estimates follow the load, once `explore_every` cycles times its cycle over a plain token's have
-passed: each losing depth costs about 1/explore_every of plain decoding's time, however slow.
+nothing: it times the depths not yet timed (a timed depth keeps the time of its real cycles).
+A cycle's time is the minimum of its last few timings: noise only adds to it (a collection pause,
+a host hiccup, a program's first run), and a single slow sample kept in an average made a depth
+look slower than it is until it was re-timed. Each cycle runs the best estimate; a timed depth
+not chosen is re-timed, so that the estimates follow the load, once `explore_every` cycles times
+its cycle over a plain token's have passed (explore_every alone while it has one timing): each
+losing depth costs about 1/explore_every of plain decoding's time, however slow.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict, deque
 
 from kimik3.model import Model
 
@@ -30,7 +35,7 @@ from .steps import compiled_programs
 log = logging.getLogger("kimik3.serve.speculation")
 
 AUTO_DEPTHS = (0, 2, 4, 7)  # k + 1 <= 8: the verify pass's per-position KDA recurrence
-EMA = 0.3
+WINDOW = 4  # a cycle's time: the minimum of its last WINDOW timings
 
 
 def _size_class(rows: int) -> int:
@@ -56,8 +61,10 @@ class Speculator:
             raise ValueError(f"num_speculative_tokens={depth!r}: use 'auto' or an int in 1..7 "
                              "(a verify pass takes at most 8 tokens a row)")
         self.drafter, self.explore_every = drafter, explore_every
-        self.cycle_s: dict = {}  # (size class, depth) -> EMA seconds of a cycle (depth 0: a token)
+        self.cycle_s: dict = {}  # (size class, depth) -> seconds of a cycle (depth 0: a token)
+        self.samples: dict = {}  # (size class, depth) -> its last WINDOW timings
         self.last_timed: dict = {}
+        self.spent = defaultdict(lambda: [0.0, 0])  # depth -> [wall seconds, tokens committed]
         self.cycles = 0
         self.depth = self.depths[0]
         self.draft_tokens = self.accepted_tokens = 0
@@ -99,7 +106,7 @@ class Speculator:
     def _due(self, cls: int, k: int) -> bool:
         """Whether timed depth k is due a re-timing: explore_every cycles times its cost in plain
         tokens have passed since it was last timed."""
-        ratio = self.cycle_s[(cls, k)] / self.cycle_s[(cls, 0)]
+        ratio = self.cycle_s[(cls, k)] / self.cycle_s[(cls, 0)] if len(self.samples.get((cls, k), ())) > 1 else 1.0
         return self.cycles - self.last_timed.get((cls, k), 0) >= self.explore_every * max(1.0, ratio)
 
     def timed(self, rows: int, depth: int, seconds: float, compiled: bool = False):
@@ -112,19 +119,31 @@ class Speculator:
         """A depth-`depth` cycle in which no row had a draft ran one plain token instead: what
         that depth costs while drafts are missing. The other depths not yet timed at this size
         would have run the same call, so it times them too: one such cycle, not one per depth,
-        shows that speculation does not pay while the drafter finds nothing."""
+        shows that speculation does not pay while the drafter finds nothing. A depth its real
+        cycles timed keeps their time (a one-token call is not its cycle): its re-timing is done."""
         if compiled:
             return
         cls = _size_class(rows)
         for k in self.depths:
-            if k == depth or (k and (cls, k) not in self.cycle_s):
+            if k and (cls, k) not in self.cycle_s:
                 self._record(cls, k, seconds)
+        self.last_timed[(cls, depth)] = self.cycles
 
     def _record(self, cls: int, depth: int, seconds: float):
         key = (cls, depth)
-        old = self.cycle_s.get(key)
-        self.cycle_s[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        recent = self.samples.setdefault(key, deque(maxlen=WINDOW))
+        recent.append(seconds)
+        self.cycle_s[key] = min(recent)
         self.last_timed[key] = self.cycles
+
+    def account(self, depth: int, seconds: float, tokens: int, compiled: bool = False):
+        """Wall time and committed tokens of a call while `depth` was chosen (0: plain decoding;
+        a call that compiled is left out), for stats(): the tokens a second each depth delivered,
+        beside the cycle times it was chosen by."""
+        if compiled:
+            return
+        self.spent[depth][0] += seconds
+        self.spent[depth][1] += tokens
 
     # ---- drafts ----
     def propose(self, rows: dict, k: int, max_batch: int, max_seq_len: int) -> dict:
@@ -152,7 +171,8 @@ class Speculator:
         return {"spec_draft_tokens": self.draft_tokens, "spec_accepted_tokens": self.accepted_tokens,
                 "spec_acceptance": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
                 "spec_depth": self.depth,
-                "spec_cycle_s": {f"{cls} rows, depth {k}": s for (cls, k), s in sorted(self.cycle_s.items())}}
+                "spec_cycle_s": {f"{cls} rows, depth {k}": s for (cls, k), s in sorted(self.cycle_s.items())},
+                "spec_spent": {f"depth {k}": {"seconds": t, "tokens": n} for k, (t, n) in sorted(self.spent.items())}}
 
 
 class Stopwatch:

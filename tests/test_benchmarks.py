@@ -120,6 +120,7 @@ def test_speculative_smoke_at_a_fixed_depth_with_the_step_profile(tmp_path):
     assert run["errors"] == {} and [r["area"] for r in run["rows"]] == ["Speculative decoding, n-gram drafts, depth 2"]
     assert [c["controller"] for c in run["details"]["cases"]] == ["cold", "warm"]
     assert "step_profile" in run["details"]["cases"][1] and all(c["rows_differing"] == 0 for c in run["details"]["cases"])
+    assert all(c["full_batch_speedup"] > 0 and c["spec_spent"]["depth 2"]["tokens"] > 0 for c in run["details"]["cases"])
 
 
 def test_engine_kernels_named_from_the_optimized_hlo(tmp_path):
