@@ -44,7 +44,7 @@ def spec_decode_steps(model: Model, layers, hist, hist_len, start, active, page_
     hist_len = hist_len - shift
 
     def body(c, carry):
-        layers, hist, hist_len, start, gen, live, outs = carry
+        layers, hist, hist_len, start, gen, live, done, outs = carry
         act = active * live
         room = jnp.clip(jnp.minimum(jnp.minimum(depth, limit - gen - 1), cap - start - 1), 0, depth) * act
         drafts, found = ngram_drafts(hist, hist_len, depth, min_n, max_n)
@@ -61,14 +61,16 @@ def spec_decode_steps(model: Model, layers, hist, hist_len, start, active, page_
         kept = j < n[:, None]
         stopped = (kept & (samples[:, :, None] == stops[:, None, :]).any(-1)).any(1)
         gen = gen + n
-        live = live * (~stopped & (gen < limit) & (start + n < cap))
+        done = done | stopped | (gen >= limit)  # the request ended: it stays ended in a chained call
+        live = live * (~done & (start + n < cap))  # (a row out of pages only pauses: the next call has more)
         outs = tuple(o.at[c].set(v) for o, v in zip(outs, (samples, n, drafted, room)))
-        return layers, hist, hist_len + n, start + n, gen, live, outs
+        return layers, hist, hist_len + n, start + n, gen, live, done, outs
 
     outs = (jnp.zeros((cycles, B, T), jnp.int32),) + tuple(jnp.zeros((cycles, B), jnp.int32) for _ in range(3))
-    carry = (layers, hist, hist_len, start, gen_idx, (start < cap).astype(active.dtype), outs)  # room to feed
-    layers, hist, hist_len, start, gen, live, outs = jax.lax.fori_loop(0, cycles, body, carry)
-    return (*outs, (hist, hist_len, start, active * live, gen), layers)
+    carry = (layers, hist, hist_len, start, gen_idx, (start < cap).astype(active.dtype),  # room to feed
+             jnp.zeros(B, bool), outs)
+    layers, hist, hist_len, start, gen, live, done, outs = jax.lax.fori_loop(0, cycles, body, carry)
+    return (*outs, (hist, hist_len, start, active * ~done, gen), layers)
 
 
 JITTED_STEPS.append(spec_decode_steps)
@@ -86,10 +88,15 @@ def spec_inputs(batch: int, depth: int, cycles: int, max_seq_len: int) -> dict:
 
 def compile_spec_idle(model: Model, layers, batch: int, depths, cycles: int, max_seq_len: int,
                       pages_per_seq: int, min_n: int, max_n: int, backend=None, dcp_axes=()):
-    """Run spec_decode_steps once at each depth on idle rows (Engine.warmup); returns the layers."""
+    """Run spec_decode_steps at each depth on idle rows (Engine.warmup), then once more chained
+    from its device outputs as the engine queues calls (another program: device arrays where the
+    first call had host ones); returns the layers."""
     table = np.zeros((batch, pages_per_seq), np.int32)
     for k in depths:
-        *_, layers = spec_decode_steps(model, layers, page_table=table, cycles=cycles, depth=k, min_n=min_n,
-                                       max_n=max_n, backend=backend, dcp_axes=dcp_axes,
-                                       **spec_inputs(batch, k, cycles, max_seq_len))
+        x = spec_inputs(batch, k, cycles, max_seq_len)
+        for _ in range(2):
+            *_, carry, layers = spec_decode_steps(model, layers, page_table=table, cycles=cycles, depth=k,
+                                                  min_n=min_n, max_n=max_n, backend=backend, dcp_axes=dcp_axes, **x)
+            hist, hist_len, start, active, gen = carry  # (SpeculativeCycle._spec_chain's call)
+            x = dict(x, hist=hist, hist_len=hist_len, start=start, active=active, gen_idx=gen)
     return layers

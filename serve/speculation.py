@@ -63,6 +63,7 @@ class Speculator:
         self.drafter, self.explore_every = drafter, explore_every
         self.cycle_s: dict = {}  # (size class, depth) -> seconds of a cycle (depth 0: a token)
         self.samples: dict = {}  # (size class, depth) -> its last WINDOW timings
+        self.undrafted_only: set = set()  # (size class, depth)s timed by one-token calls alone
         self.last_timed: dict = {}
         self.spent = defaultdict(lambda: [0.0, 0])  # depth -> [wall seconds, tokens committed]
         self.cycles = 0
@@ -113,7 +114,11 @@ class Speculator:
         """Record a cycle's wall time (for depth 0: per decode token); a call that `compiled` a
         program (Stopwatch.compiled) is not timed."""
         if not compiled:
-            self._record(_size_class(rows), depth, seconds)
+            key = (_size_class(rows), depth)
+            if key in self.undrafted_only:  # its first real cycle: one-token calls no longer stand in
+                self.undrafted_only.discard(key)
+                self.samples.pop(key)
+            self._record(*key, seconds)
 
     def timed_undrafted(self, rows: int, depth: int, seconds: float, compiled: bool = False):
         """A depth-`depth` cycle in which no row had a draft ran one plain token instead: what
@@ -125,8 +130,9 @@ class Speculator:
             return
         cls = _size_class(rows)
         for k in self.depths:
-            if k and (cls, k) not in self.cycle_s:
+            if k and ((cls, k) not in self.cycle_s or (cls, k) in self.undrafted_only):
                 self._record(cls, k, seconds)
+                self.undrafted_only.add((cls, k))
         self.last_timed[(cls, depth)] = self.cycles
 
     def _record(self, cls: int, depth: int, seconds: float):

@@ -135,7 +135,9 @@ def compile_idle(model: Model, layers, batch: int, widths, decode_lengths, depth
                  backend=None, dcp_axes=(), logprobs: bool = False):
     """Run every program steady serving uses once on idle rows (no row feeds a token), so each is
     compiled before a request needs it: the mixed step at each prefill width, the decode call at
-    each length, the verify pass at each speculative depth. Idle rows leave the KDA states as
+    each length (the longest also chained from a call's device outputs, as the engine queues
+    them: device arrays where the first call had host ones make another program), the verify
+    pass at each speculative depth. Idle rows leave the KDA states as
     they were and write no MLA position a request reads before writing it (a slot's state is
     reset, or restored, when a request takes it). The arguments have the dtypes the engine
     passes, so its calls find these programs. Returns the layers."""
@@ -148,8 +150,12 @@ def compile_idle(model: Model, layers, batch: int, widths, decode_lengths, depth
                   dcp_axes=dcp_axes, logprobs=logprobs)
     for T in widths:
         *_, layers = mixed_step(model, layers, np.zeros((B, T), np.int32), z, z, np.zeros(B, bool), **common)
-    for steps in decode_lengths:
-        *_, layers = decode_steps(model, layers, z, z, z, stops=stops, limit=z, steps=steps, **common)
+    for steps in sorted(decode_lengths):
+        *_, carry, layers = decode_steps(model, layers, z, z, z, stops=stops, limit=z, steps=steps, **common)
+    if decode_lengths:
+        tokens, start, active, gen = carry  # the longest's, chained (QueuedDecode._chain's call)
+        *_, layers = decode_steps(model, layers, tokens, start, active, stops=stops, limit=z, steps=steps,
+                                  **dict(common, gen_idx=gen))
     for k in depths:
         *_, layers = verify_step(model, layers, np.zeros((B, k + 1), np.int32), z, z, common["page_table"],
                                  common["seeds"], z, common["temperature"], z, common["top_p"], stops,

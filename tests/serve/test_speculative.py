@@ -201,7 +201,8 @@ def test_depth_controller_prunes_deeper_depths_and_re_times_losers_by_their_cost
 def test_a_cycle_time_is_the_least_of_its_recent_timings():
     """A slow first timing (a program's first run, a collection pause) does not hold a depth's
     estimate up, as it did in an average; WINDOW later timings replace it, so a rising load is
-    followed; a one-token call where nothing was drafted does not overwrite a depth's real cycles."""
+    followed; a one-token call where nothing was drafted does not overwrite a depth's real cycles,
+    only stand in for them until they are timed."""
     s = Speculator("ngram", "auto")
     s.timed(1, 0, 0.001)
     s.timed(1, 2, 0.009)
@@ -212,6 +213,10 @@ def test_a_cycle_time_is_the_least_of_its_recent_timings():
     assert s.cycle_s[(1, 2)] == 0.003
     s.timed_undrafted(1, 2, 0.050)
     assert s.cycle_s[(1, 2)] == 0.003 and s.cycle_s[(1, 4)] == s.cycle_s[(1, 7)] == 0.050  # untimed ones: timed
+    s.timed_undrafted(1, 4, 0.020)  # depths that one-token calls alone timed follow them
+    assert s.cycle_s[(1, 4)] == s.cycle_s[(1, 7)] == 0.020
+    s.timed(1, 4, 0.030)  # until their real cycles are timed
+    assert s.cycle_s[(1, 4)] == 0.030 and s.cycle_s[(1, 7)] == 0.020
     s.account(2, 0.010, 22)
     s.account(0, 0.010, 10)
     assert s.stats()["spec_spent"] == {"depth 0": {"seconds": 0.010, "tokens": 10},
@@ -394,6 +399,38 @@ def test_a_trained_model_accepts_the_ngram_drafts_of_a_code_edit():
     assert eng.generate(prompts, max_new_tokens=40, stop_tokens=[]) == plain
     stats = eng.stats()
     assert stats["spec_acceptance"] > 0.4 and stats["spec_accepted_tokens"] >= 20, stats
+
+
+def test_chained_cycles_resume_a_row_that_filled_its_call_and_compile_nothing_after_warmup(model):
+    """A row whose drafts all pass commits depth + 1 tokens a cycle and reaches, at a call's end,
+    the positions its pages were reserved for; the call chained behind it resumes it (it had
+    carried the row as ended, and the engine then stepped forever committing nothing). Chained
+    calls, speculative and plain, run programs that warmup compiled."""
+    from serve.spec_cycle import SpecCall
+    from serve.steps import compiled_programs
+
+    prompts = [[1] + [5, 6, 7, 8] * 6, [1] + [9, 10, 11] * 8]
+    kw = dict(max_batch=2, max_seq_len=128, page_size=8, decode_steps=2, prefix_cache=False)
+    params = SamplingParams(max_new_tokens=60, temperature=0.0, stop_tokens=())
+    outputs, counts = [], []
+    for spec in (None, "ngram"):
+        eng = Engine(model, **kw, speculative=spec, num_speculative_tokens=2)
+        eng.warmup()
+        before = compiled_programs()
+        reqs = [eng.submit(p, params) for p in prompts]
+        chained, most = 0, 0
+        for _ in range(200):
+            if not eng.has_work():
+                break
+            done = [len(r.output) for r in reqs]
+            eng.step()
+            most = max([most] + [len(r.output) - n for r, n in zip(reqs, done)])
+            chained += isinstance(eng._pending, SpecCall) == (spec is not None) and eng._pending is not None
+        assert not eng.has_work() and compiled_programs() == before and chained
+        outputs.append([list(r.output) for r in reqs])
+        counts.append(most)
+    assert outputs[0] == outputs[1]
+    assert counts[1] == 2 * 3  # a call's 2 cycles committed 3 tokens each: it filled its pages
 
 
 def test_warmup_compiles_every_program_serving_runs(model):
