@@ -56,7 +56,9 @@ def ratio(row: dict) -> float | None:
 
 def shown_command(command: str) -> str:
     """The command as the table shows it: without the environment settings that change only how
-    the older scripts printed or found the package (PYTHONUNBUFFERED, PYTHONPATH)."""
+    the older scripts printed or found the package (PYTHONUNBUFFERED, PYTHONPATH), and without
+    `--out DIR` (where the run wrote its JSON, not what it measured)."""
+    command = re.sub(r" --out \S+", "", command)
     return " ".join(w for w in command.split(" ")
                     if not w.startswith(("PYTHONUNBUFFERED=", "PYTHONPATH=")))
 
