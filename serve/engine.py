@@ -257,7 +257,8 @@ class Engine(QueuedDecode, SpeculativeCycle):
         """Counters of this engine's work so far: the prefix cache's (prompt_tokens,
         prefix_hit_tokens, prefix_hit_rate, kda_checkpoints, host_restored_bytes, evictions, ...;
         zeros with the cache off) and speculation's (spec_draft_tokens, spec_accepted_tokens,
-        spec_depth and the cycle times the depth was chosen from; zeros with it off)."""
+        spec_depth, the cycle times the depth was chosen from and each depth's seconds and
+        committed tokens (spec_spent); zeros with it off)."""
         if self.prefix is not None:
             out = self.prefix.stats()
         else:
