@@ -176,8 +176,9 @@ class SpeculativeCycle:
         accepted, each cycle's drafts recorded), its time given to the controller per cycle run."""
         samples, committed, drafted, offered = results
         rows = [r for r in call.rows if r.finished is None]
-        ran = int((committed.sum(1) > 0).sum()) or 1
-        self.spec.timed(len(rows) or 1, call.depth, seconds / ran, compiled)
+        ran = int((committed.sum(1) > 0).sum())
+        if ran:  # (a call in which no row fed a token times no cycle)
+            self.spec.timed(len(rows) or 1, call.depth, seconds / ran, compiled)
         self.spec.account(call.depth, seconds, int(committed[:, [r.slot for r in rows]].sum()), compiled)
         events = []
         for r in rows:
