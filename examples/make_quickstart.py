@@ -47,9 +47,8 @@ cells = [
              "axes[1].set_title(f'MLA cache, layer {mla_layer}: one column per token'); plt.show()"),
     ("md", "## Backends\nEvery kernel entry point takes `backend=`: `reference` (plain JAX), `pallas` (GPU, Triton "
            "lowering) or `interpret` (the Pallas kernel run by the interpreter on CPU). The whole model on the "
-           "held-out window's first 64 bytes (the interpreter is slow on CPU), both ways: the KDA chunk kernel "
-           "and the MXFP4 grouped-matmul kernel against their references."),
-    ("code", "x = inputs[:, :64]\n"
+           "prompt, both ways: the KDA chunk kernel and the MXFP4 grouped-matmul kernel against their references."),
+    ("code", "x = np.asarray([ids])\n"
              "ref = kimik3.forward(model, x, backend='reference')\n"
              "interp = kimik3.forward(model, x, backend='interpret')\n"
              "print('max |diff| output logits', float(jnp.abs(ref - interp).max()), 'of max |logit|', float(jnp.abs(ref).max()))\n"
