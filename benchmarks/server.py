@@ -27,7 +27,7 @@ from serve import Engine
 from serve.agentic_trace import Session, Turn, coding_agent_sessions, write_trace
 from serve.async_engine import AsyncEngine
 from serve.launch import settle_heap
-from serve.replay import InProcess, OverHTTP, replay, run_replay, summarize
+from serve.replay import InProcess, replay, run_replay, summarize
 from .common import choices_arg, ints_arg
 from .k3_slice import k3_slice
 
