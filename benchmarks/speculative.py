@@ -22,9 +22,10 @@ these very requests; the second runs as a server's controller does, on cycle tim
 earlier requests. The rows give the second pass against plain decoding's second pass while the
 batch was full (until a first row finished: a server refills its slot, and rows that finish apart
 leave a tail of a few rows that plain decoding, whose rows finish together, does not have); the
-whole pass's ratio and the first pass's are in the note (all in the details). Outputs with speculation should equal plain
-decoding's (same seeds); the rows that differ, and where, are recorded (on the GPU the verify
-pass's kernels round differently from the decode step's, so a near-tie can flip a greedy choice).
+whole pass's ratio and the first pass's are in the note (all in the details). Outputs with
+speculation should equal plain decoding's (same seeds); the rows that differ, and where, are
+recorded (on the GPU the verify pass's kernels round differently from the decode step's, so a
+near-tie can flip a greedy choice).
 
     python -m benchmarks speculative [--batches 1,16,64] [--new-tokens 192] [--workloads random,code]
         [--spec-depth auto|K] [--profile]
@@ -141,17 +142,18 @@ def decode(model, B, prompts, params, speculative, max_seq_len, depth="auto", pr
         reqs = submit_and_prefill(eng, prompts, params, first_id)
         jax.block_until_ready(eng.layers)
         before = sum(len(r.output) for r in reqs)
-        left_out = getattr(drafter, "seconds", 0.0)
-        t, full = time.perf_counter(), None
+        left_out, t, full = getattr(drafter, "seconds", 0.0), time.perf_counter(), None
+        decoded = lambda: sum(len(r.output) for r in reqs) - before  # noqa: E731
+        elapsed = lambda: time.perf_counter() - t - (getattr(drafter, "seconds", 0.0) - left_out)  # noqa: E731
         while eng.has_work():
             eng.step()
             if full is None and any(r.finished for r in reqs):  # the batch was full until now
-                full = (sum(len(r.output) for r in reqs) - before,
-                        time.perf_counter() - t - (getattr(drafter, "seconds", 0.0) - left_out))
+                full = (decoded(), elapsed())
         jax.block_until_ready(eng.layers)
-        secs = time.perf_counter() - t - (getattr(drafter, "seconds", 0.0) - left_out)
+        secs = elapsed()
+        full = full or (decoded(), secs)
         stats = dict(eng.stats(), full_batch_tokens_per_s=full[0] / full[1])
-        passes.append(([list(r.output) for r in reqs], secs, sum(len(r.output) for r in reqs) - before, stats))
+        passes.append(([list(r.output) for r in reqs], secs, decoded(), stats))
     if profile:  # a pass of its own: the profiler's time stays out of the timed ones
         submit_and_prefill(eng, prompts, params, 2 * len(prompts))
         for _ in range(2):  # past the first calls of the decode
@@ -199,10 +201,7 @@ def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False)
                 f"{tps[name][0]:.1f} tok/s ({tps[name][0] / tps[name][1]:.2f}x; "
                 f"{full[name][0] / full[name][1]:.2f}x while the batch was full), {main_depth(stats)}, "
                 f"acceptance {acc}, rows differing {len(differ)}/{B} {differ}")
-    # the row: the warm controller's pass (a server's steady state) while every row still decoded
-    # (a server refills a finished row's slot; rows started together and finishing apart leave a
-    # tail of a few rows that plain decoding, whose rows all finish together, does not have); the
-    # whole pass and the fresh controller's in the note
+    # the row: the warm controller's pass while the batch was full (the module docstring says why)
     (spec_tps, plain_tps), whole = full["warm"], tps["warm"][0] / tps["warm"][1]
     area = f"Speculative decoding, {drafter_name} drafts, " + ("auto depth" if depth == "auto" else f"depth {depth}")
     cold = full["cold"][0] / full["cold"][1]

@@ -406,6 +406,7 @@ def test_chained_cycles_resume_a_row_that_filled_its_call_and_compile_nothing_af
     the positions its pages were reserved for; the call chained behind it resumes it (it had
     carried the row as ended, and the engine then stepped forever committing nothing). Chained
     calls, speculative and plain, run programs that warmup compiled."""
+    from serve.queued_decode import DecodeCall
     from serve.spec_cycle import SpecCall
     from serve.steps import compiled_programs
 
@@ -425,7 +426,7 @@ def test_chained_cycles_resume_a_row_that_filled_its_call_and_compile_nothing_af
             done = [len(r.output) for r in reqs]
             eng.step()
             most = max([most] + [len(r.output) - n for r, n in zip(reqs, done)])
-            chained += isinstance(eng._pending, SpecCall) == (spec is not None) and eng._pending is not None
+            chained += isinstance(eng._pending, SpecCall if spec else DecodeCall)
         assert not eng.has_work() and compiled_programs() == before and chained
         outputs.append([list(r.output) for r in reqs])
         counts.append(most)
