@@ -3,10 +3,12 @@ highest choice = score + bias and their unbiased scores.
 
 XLA runs `jax.lax.top_k` over a decode step's few rows of 896 experts as a segmented radix sort,
 several launches costing more than the router matmul. Here a program takes one row whole (the
-experts padded to a power of two with -inf) and picks k times: the row's largest choice, its
-lowest index among equals (`jax.lax.top_k`'s order for ties), that expert's score, then masks it
-out. Ids and scores are those of `top_k` plus `take_along_axis` exactly: no arithmetic touches a
-score, and the only sum is the fp32 add of the bias that the reference does too.
+experts padded to a power of two with -inf) and picks k times: the row's largest choice, then its
+lowest index among equals (`jax.lax.top_k`'s order for ties), which it masks out. Two reductions a
+pick, the whole row in one warp's registers (no shared-memory round between warps); the scores
+are read at the k ids after the loop, one gather. Ids and scores are those of `top_k` plus
+`take_along_axis` exactly: no arithmetic touches a score, and the only sum is the fp32 add of the
+bias that the reference does too.
 
 One row a program: a block of 16 rows (16 x 1024 fp32 choices and scores in 128 threads'
 registers) spilled, and made a 16-row decode step's routing many times slower than XLA's sort.
@@ -25,6 +27,7 @@ from .._backend import resolve_backend, triton_params
 
 F32 = jnp.float32
 MAX_ROWS = 64
+NUM_WARPS = 1  # a row of 1024 in 32 registers a thread: each reduction stays inside the warp
 
 
 def top_k_scores_reference(scores, bias, k: int):
@@ -37,26 +40,22 @@ def _kernel(s_ref, b_ref, idx_ref, w_ref, *, e, e_pad, k, k_pad):
     r0 = pl.program_id(0)
     col = jnp.arange(e_pad, dtype=jnp.int32)
     col_ok = col < e
-    scores = plgpu.load(s_ref.at[pl.ds(r0, 1), pl.ds(0, e_pad)], mask=col_ok[None, :], other=0.0)
+    scores = plgpu.load(s_ref.at[r0, pl.ds(0, e_pad)], mask=col_ok, other=0.0)
     bias = plgpu.load(b_ref.at[pl.ds(0, e_pad)], mask=col_ok, other=0.0)
-    choice = jnp.where(col_ok[None, :], scores + bias[None, :], -jnp.inf)
-    slot = jnp.arange(k_pad, dtype=jnp.int32)[None, :]
-    ids = jnp.zeros((1, k_pad), jnp.int32)
-    ws = jnp.zeros((1, k_pad), F32)
+    choice = jnp.where(col_ok, scores + bias, -jnp.inf)
+    slot = jnp.arange(k_pad, dtype=jnp.int32)
+    ids = jnp.zeros((k_pad,), jnp.int32)
     for j in range(k):
-        best = jnp.max(choice, axis=1)
-        pick = jnp.min(jnp.where(choice == best[:, None], col[None, :], e_pad), axis=1)
-        hit = col[None, :] == pick[:, None]
-        w = jnp.sum(jnp.where(hit, scores, 0.0), axis=1)
-        ids = jnp.where(slot == j, pick[:, None], ids)
-        ws = jnp.where(slot == j, w[:, None], ws)
-        choice = jnp.where(hit, -jnp.inf, choice)
-    plgpu.store(idx_ref.at[pl.ds(r0, 1), pl.ds(0, k_pad)], ids, mask=slot < k)
-    plgpu.store(w_ref.at[pl.ds(r0, 1), pl.ds(0, k_pad)], ws, mask=slot < k)
+        pick = jnp.min(jnp.where(choice == jnp.max(choice), col, e_pad))
+        ids = jnp.where(slot == j, pick, ids)
+        choice = jnp.where(col == pick, -jnp.inf, choice)
+    # slots past k hold id 0, a valid column; their values are not stored
+    plgpu.store(idx_ref.at[r0, pl.ds(0, k_pad)], ids, mask=slot < k)
+    plgpu.store(w_ref.at[r0, pl.ds(0, k_pad)], s_ref[r0, ids], mask=slot < k)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret"))
-def _top_k_scores_pallas(scores, bias, *, k, interpret=False):
+@functools.partial(jax.jit, static_argnames=("k", "num_warps", "interpret"))
+def _top_k_scores_pallas(scores, bias, *, k, num_warps, interpret=False):
     n, e = scores.shape
     e_pad, k_pad = pl.next_power_of_2(e), pl.next_power_of_2(k)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
@@ -65,12 +64,12 @@ def _top_k_scores_pallas(scores, bias, *, k, interpret=False):
     return tuple(pl.pallas_call(
         kernel, grid=(n,), in_specs=[full(scores.shape), full(bias.shape)],
         out_specs=[full(o.shape) for o in outs], out_shape=outs,
-        compiler_params=triton_params(num_warps=4, num_stages=1), interpret=interpret,
+        compiler_params=triton_params(num_warps=num_warps, num_stages=1), interpret=interpret,
         name="route_top_k",
     )(scores, bias))
 
 
-def top_k_scores(scores, bias, k: int, *, backend: str | None = None):
+def top_k_scores(scores, bias, k: int, *, backend: str | None = None, num_warps: int = NUM_WARPS):
     """The router's choice: scores [N, E] fp32 (the unbiased expert scores), bias [E] fp32 (the
     correction bias, which only selects) -> (ids [N, k] int32 of the k largest scores + bias, in
     `jax.lax.top_k`'s order, ties to the lower id; the scores at them [N, k]). Bitwise the same on
@@ -81,5 +80,5 @@ def top_k_scores(scores, bias, k: int, *, backend: str | None = None):
                          f"{scores.shape}, {bias.shape}, k={k}")
     if backend == "reference" or not 0 < scores.shape[0] <= MAX_ROWS:
         return top_k_scores_reference(scores, bias, k)
-    return _top_k_scores_pallas(scores.astype(F32), bias.astype(F32), k=k,
+    return _top_k_scores_pallas(scores.astype(F32), bias.astype(F32), k=k, num_warps=num_warps,
                                 interpret=backend == "interpret")
