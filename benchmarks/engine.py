@@ -12,7 +12,8 @@ the batch's routings hit, KDA state read + write, MLA cache) over the copy bandw
 the same run (in the details also at torch's copy rate, where torch has CUDA). With --profile,
 where a decode token's GPU time goes (JAX profiler, kernels classified by name: dense matmuls,
 MoE grouped matmul, KDA, MLA, norms/AttnRes, routing/sort, other XLA fusions, and the host gap =
-wall time - GPU busy time), per token, in the details and a compact line in each row's note.
+wall time - GPU busy time), per token, in the details and a compact line in each row's note; the
+same for a whole prefill.
 
 prefill: time to first token of one request with a `--prefill-lens` prompt (a second prompt,
 after a first one compiles), and its TFLOP/s (the linear layers' FLOPs plus MLA's causal attention
@@ -23,7 +24,7 @@ of the bf16 matmul peak of a large jnp.dot measured in the same run.
         [--profile [--name-kernels]] [--mla-cache auto,fp8] [--prompt-len 16] [--prefill-lens 8192,32768]
         [--ttft-chunk 4096]
     python -m benchmarks engine --mode decode --batches 1,16,64 --profile
-    python -m benchmarks engine --mode prefill
+    python -m benchmarks engine --mode prefill [--profile]
     python -m benchmarks engine --smoke     # CPU: the tiny preset, decode batch 2, a 64-token prompt
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ import numpy as np
 import kimik3
 from serve import Engine, SamplingParams
 from .common import choices_arg, ints_arg, jax_copy_Bps, names_arg, torch_copy_Bps_subprocess
-from .engine_metrics import decode_profile, hlo_names, jax_matmul_flops, prefill_flops, profile_note
+from .engine_metrics import (decode_profile, hlo_names, jax_matmul_flops, prefill_flops, prefill_profile,
+                             profile_note)
 from .k3_slice import k3_slice
 
 STEPS, CALLS, PROFILE_CALLS = 8, 4, 4  # decode tokens a call, timed calls, profiled calls
@@ -52,8 +54,8 @@ def add_args(p):
                    help="what to measure: decode, prefill or both (default decode,prefill)")
     p.add_argument("--batches", type=ints_arg, default=None, help="decode batch sizes (default 1,16,64,256)")
     p.add_argument("--profile", action="store_true",
-                   help="decode: per-token GPU time by kernel category from the JAX profiler "
-                        "(on with --smoke, where the CPU trace has no GPU plane and it is skipped)")
+                   help="GPU time by kernel category from the JAX profiler, a decode token's and a "
+                        "prefill's (on with --smoke, where the CPU trace has no GPU plane and it is skipped)")
     p.add_argument("--name-kernels", action="store_true",
                    help="with --profile: the top 40 kernels, each named by the XLA fusion it is and the jax "
                         "op it came from (XLA's optimized HLO, dumped to a temporary folder)")
@@ -234,14 +236,21 @@ def prefill(rec, args, slices):
         s = ttft(model, T, chunk, seed=1)
         fl = prefill_flops(cfg, model.params, T)
         rate = fl["total"] / s
-        rec.details["prefill"].append(dict(prompt_len=T, chunk=chunk, first_s=first, ttft_s=s,
-                                           tokens_per_s=T / s, flops=fl, flops_per_s=rate,
-                                           pct_of_peak=100 * rate / peak))
+        run = dict(prompt_len=T, chunk=chunk, first_s=first, ttft_s=s, tokens_per_s=T / s, flops=fl,
+                   flops_per_s=rate, pct_of_peak=100 * rate / peak)
+        note = f"{T / s:.0f} tokens/s, {rate / 1e12:.0f} TFLOP/s"
+        if args.profile or args.smoke:
+            prof = prefill_profile(lambda: ttft(model, T, chunk, seed=2), s * 1e6, top=20)
+            run["profile"] = prof or "skipped: the trace has no GPU plane (CPU)"
+            if prof:
+                note += "; " + profile_note(prof)
+            rec.log(f"{case} profile: {prof and profile_note(prof) or run['profile']}")
+        rec.details["prefill"].append(run)
         rec.log(f"{case}: TTFT {s * 1e3:.1f} ms (first {first:.1f} s), {T / s:.0f} tok/s, "
                 f"{rate / 1e12:.1f} TFLOP/s ({100 * rate / peak:.1f}% of peak)")
         rec.row(f"Engine prefill, {cfg.name} (TTFT; % of the dense bf16 peak)",
                 f"{T} tokens, chunk {chunk}, MLA cache {cache}", s * 1e3, "ms", limit_pct=100 * rate / peak,
-                note=f"{T / s:.0f} tokens/s, {rate / 1e12:.0f} TFLOP/s")
+                note=note)
 
 
 def run(rec, args):

@@ -1,5 +1,5 @@
-"""What `python -m benchmarks engine` counts: the kernel-name classifier and the per-token profile
-of a decode step, the FLOPs of a prefill and the dense bf16 matmul peak they are compared with."""
+"""What `python -m benchmarks engine` counts: the kernel-name classifier and the profiles of a
+decode token and of a prefill, the FLOPs of a prefill and the dense bf16 matmul peak they are compared with."""
 from __future__ import annotations
 
 import glob
@@ -51,6 +51,19 @@ def busy_ns(events) -> int:
     return total
 
 
+def _breakdown(events, per: float, top: int):
+    """GPU kernel time of `events` over `per` (tokens or prefills) in us: by category, busy (the
+    union of kernel spans), summed, and the `top` kernels."""
+    cats = dict.fromkeys(CATEGORIES, 0.0)
+    by_kernel = defaultdict(float)
+    for _, name, _, dur in events:
+        cats[classify(name)] += dur / 1e3 / per
+        by_kernel[name] += dur / 1e3 / per
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
+    return dict(cats=cats, busy=busy_ns(events) / 1e3 / per, kernels=sum(by_kernel.values()),
+                top={k[:90]: round(v, 1) for k, v in top})
+
+
 def decode_profile(eng, step_us: float, reps: int = 4, top: int = 12):
     """Where a decode token's GPU time goes: `reps` engine decode calls under the profiler, kernel
     time per token by category (us), launches per token, and host_gap = step_us (the untraced
@@ -67,17 +80,23 @@ def decode_profile(eng, step_us: float, reps: int = 4, top: int = 12):
     if events is None:
         return None
     tokens = sum(fed[1:]) / len(rows)  # the first call is trace_events' untraced warm-up
-    cats = dict.fromkeys(CATEGORIES, 0.0)
-    by_kernel = defaultdict(float)
-    for _, name, _, dur in events:
-        cats[classify(name)] += dur / 1e3 / tokens
-        by_kernel[name] += dur / 1e3 / tokens
-    busy = busy_ns(events) / 1e3 / tokens
-    cats["host_gap"] = max(step_us - busy, 0.0)
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
-    return dict(us_per_token=cats, gpu_busy_us=busy, kernel_us=sum(by_kernel.values()),
-                launches_per_token=len(events) / tokens,
-                top_kernels_us={k[:90]: round(v, 1) for k, v in top})
+    b = _breakdown(events, tokens, top)
+    b["cats"]["host_gap"] = max(step_us - b["busy"], 0.0)
+    return dict(us_per_token=b["cats"], gpu_busy_us=b["busy"], kernel_us=b["kernels"],
+                launches_per_token=len(events) / tokens, top_kernels_us=b["top"])
+
+
+def prefill_profile(prefill_once, wall_us: float, reps: int = 1, top: int = 12):
+    """Where one prefill's GPU time goes: `reps` calls of prefill_once() (each a whole prompt to
+    its first token, waited for) under the profiler, kernel time per prefill by category (us),
+    launches, and host_gap = wall_us (its untraced time) - GPU busy time. None on the CPU."""
+    events = trace_events(prefill_once, reps=reps, sync=lambda _: None)
+    if events is None:
+        return None
+    b = _breakdown(events, reps, top)
+    b["cats"]["host_gap"] = max(wall_us - b["busy"], 0.0)
+    return dict(us_per_prefill=b["cats"], gpu_busy_us=b["busy"], kernel_us=b["kernels"],
+                launches=len(events) / reps, top_kernels_us=b["top"])
 
 
 def hlo_names(dump_dir: str, kernels) -> dict:
@@ -114,9 +133,11 @@ def hlo_names(dump_dir: str, kernels) -> dict:
 
 
 def profile_note(prof) -> str:
-    """The compact per-token line of a row's note: us a token by category."""
+    """The compact line of a row's note: us a token (decode) or ms a prefill, by category."""
     short = dict(dense_matmul="mm", moe="moe", kda="kda", mla="mla", norms_attnres="norm",
                  routing_sort="sort", other_fusions="other", host_gap="host")
+    if "us_per_prefill" in prof:
+        return "ms/prefill " + " ".join(f"{short[k]} {v / 1e3:.1f}" for k, v in prof["us_per_prefill"].items())
     return "us/token " + " ".join(f"{short[k]} {v:.0f}" for k, v in prof["us_per_token"].items())
 
 

@@ -95,6 +95,18 @@ def test_engine_profile_categories_from_kernel_names():
     assert busy_ns([("s", "a", 0, 10), ("s", "b", 20, 5), ("t", "c", 5, 7)]) == 17
 
 
+def test_prefill_profile_sums_categories_over_the_traced_prefills(monkeypatch):
+    from benchmarks import engine_metrics
+
+    events = [("s", "moe_gmm", 0, 4000), ("s", "fusion_7", 2000, 4000), ("s", "skinny_matmul_m1", 10000, 8000)]
+    monkeypatch.setattr(engine_metrics, "trace_events", lambda fn, reps, sync: events)
+    prof = engine_metrics.prefill_profile(lambda: None, wall_us=20.0, reps=2)
+    assert prof["us_per_prefill"] == dict(dense_matmul=4.0, moe=2.0, kda=0.0, mla=0.0, norms_attnres=0.0,
+                                          routing_sort=0.0, other_fusions=2.0, host_gap=13.0)
+    assert prof["gpu_busy_us"] == 7.0 and prof["launches"] == 1.5
+    assert engine_metrics.profile_note(prof).startswith("ms/prefill mm 0.0 moe 0.0")
+
+
 def test_engine_prefill_flops_count_linear_attention_and_kda():
     import jax
     import kimik3
