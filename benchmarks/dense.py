@@ -6,7 +6,8 @@ K3 TP8 rank's shapes, after a check of every case.
     python -m benchmarks dense --smoke      # CPU: interpret mode, tiny shapes, no timings
 
 A group is the weights one input meets in a layer (KDA: q, k, v, g, f_a, b from the normalised
-hidden; the MoE: the shared experts' gate and up and the latent down-projection; ...). Time: the
+hidden; the MoE: the router, the latent down-projection and the shared experts' gate and up;
+...; the router's logits are fp32 in the model, bf16 here: the same weight bytes). Time: the
 GPU kernels of one call (profiler). Bytes: the weights,
 read once; % of the JAX copy bandwidth (read + write) of this run. --sweep also times column
 tiles of 32 to 128, K steps of 64 to 256 and 3 or 4 pipeline stages (details only), to choose
@@ -34,7 +35,7 @@ GROUPS = {
     "kda_f_b": (128, (1536,)),  # below the kernel's MIN_K: XLA's dot on both sides
     "mla_in": (7168, (1536, 576, 1536)),
     "mla_q_b": (1536, (2304,)),
-    "moe_in": (7168, (768, 768, 3584)),
+    "moe_in": (7168, (896, 3584, 768, 768)),
     "moe_latent_up": (3584, (7168,)),
     "shared_down": (768, (7168,)),
     "lm_head": (7168, (20480,)),

@@ -4,8 +4,8 @@
 Grid (row blocks, column tiles of every weight in turn). Row blocks vary fastest, so the programs
 that read the same weight tile run together and all but the first find it in L2. A program
 streams its weight tile down the whole K in block_k steps (software-pipelined loads) with the x
-rows beside it, accumulates in fp32 and writes its tile in x's dtype; rows past M and columns
-past N_i are masked.
+rows beside it, accumulates in fp32 and writes its tile in its output's dtype (x's, or fp32 for the router's
+logits); rows past M and columns past N_i are masked.
 """
 from __future__ import annotations
 
@@ -54,17 +54,18 @@ def _kernel(x_ref, *refs, m, ns, starts, block_m, block_n, block_k, precision):
             product(w_refs[i], o_refs[i], ns[i], (tile - starts[i]) * block_n)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
+@functools.partial(jax.jit, static_argnames=("out_dtypes", "block_m", "block_n", "block_k", "num_warps",
                                              "num_stages", "interpret"))
-def skinny_matmul_pallas(x, weights, *, block_m, block_n, block_k, num_warps, num_stages,
+def skinny_matmul_pallas(x, weights, *, out_dtypes, block_m, block_n, block_k, num_warps, num_stages,
                          interpret=False):
-    """x [M, K]; weights: tuple of [K, N_i] in x's dtype -> tuple of [M, N_i] in x's dtype."""
+    """x [M, K]; weights: tuple of [K, N_i] in x's dtype -> tuple of [M, N_i] in out_dtypes (a
+    tuple of dtype names)."""
     m, _ = x.shape
     ns = tuple(w.shape[1] for w in weights)
     starts = [0]
     for n in ns:
         starts.append(starts[-1] + pl.cdiv(n, block_n))
-    outs = [jax.ShapeDtypeStruct((m, n), x.dtype) for n in ns]
+    outs = [jax.ShapeDtypeStruct((m, n), jnp.dtype(dt)) for n, dt in zip(ns, out_dtypes)]
     precision = jax.lax.Precision.HIGHEST if x.dtype == F32 else None  # fp32: no TF32 passes
     name = f"skinny_matmul_m{m}_k{x.shape[1]}_n{sum(ns)}"  # by shape: a profile tells groups apart
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731

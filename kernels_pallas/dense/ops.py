@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
+
 from .._backend import resolve_backend
 from .kernel import skinny_matmul_pallas
 from .reference import skinny_matmul_reference
@@ -27,23 +29,28 @@ def on_kernel(m: int, k: int, backend: str) -> bool:
     return backend == "interpret" or (k >= MIN_K and m <= (SHORT_ROWS if k < LONG_K else MAX_ROWS))
 
 
-def skinny_matmul(x, weights, *, backend: str | None = None, config: SkinnyConfig | None = None):
-    """x [..., K] times each of `weights` ([K, N_i], cast to x's dtype) -> a tuple of [..., N_i]
-    in x's dtype: one launch for the group at decode widths (`on_kernel`), XLA's dot otherwise
-    and on the reference backend. The kernel accumulates in fp32 like XLA's GEMMs, in another
-    order: results agree to the output dtype's rounding."""
+def skinny_matmul(x, weights, *, out_dtypes=None, backend: str | None = None,
+                  config: SkinnyConfig | None = None):
+    """x [..., K] times each of `weights` ([K, N_i], cast to x's dtype) -> a tuple of [..., N_i],
+    each in its `out_dtypes` entry (None, or no list: x's dtype; fp32 keeps the fp32 accumulation,
+    as the router's logits need): one launch for the group at decode widths (`on_kernel`), XLA's
+    dot otherwise and on the reference backend. The kernel accumulates in fp32 like XLA's GEMMs,
+    in another order: results agree to the output dtype's rounding."""
     backend = resolve_backend(backend)
     weights = tuple(weights)
+    out_dtypes = tuple(jnp.dtype(d or x.dtype).name for d in (out_dtypes or [None] * len(weights)))
     lead, k = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)
+    if len(out_dtypes) != len(weights):
+        raise ValueError(f"{len(out_dtypes)} out_dtypes for {len(weights)} weights: give one a weight")
     for w in weights:
         if w.ndim != 2 or w.shape[0] != k:
             raise ValueError(f"a weight of shape {w.shape} does not take inputs of width {k}")
     if not on_kernel(m, k, backend):
-        return skinny_matmul_reference(x, weights)
+        return skinny_matmul_reference(x, weights, out_dtypes)
     cfg = skinny_config(m, k, config)
     ys = skinny_matmul_pallas(x.reshape(m, k), tuple(w.astype(x.dtype) for w in weights),
-                              block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                              out_dtypes=out_dtypes, block_m=cfg.block_m, block_n=cfg.block_n,
+                              block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                               interpret=backend == "interpret")
     return tuple(y.reshape(lead + (y.shape[-1],)) for y in ys)

@@ -31,16 +31,18 @@ F32 = jnp.float32
 INIT_STD = 0.02
 
 
-def project(x, kernels, dt, backend=None) -> tuple:
+def project(x, kernels, dt, backend=None, out_dtypes=None) -> tuple:
     """x @ each of `kernels` ([in, out]) in the compute dtype dt, what flax's Dense does: at decode
     widths one skinny-matmul launch for the whole group (the weights one input meets) on the
-    Pallas backend, XLA's dots otherwise. A mesh that XLA partitions keeps XLA's dots: it would
-    gather a custom call's sharded weights to every device; inside shard_map (every axis manual)
-    the weights are the rank's own."""
+    Pallas backend, XLA's dots otherwise. `out_dtypes`: a wider output for some (fp32: the fp32
+    accumulation itself). A mesh that XLA partitions keeps XLA's dots: it would gather a custom
+    call's sharded weights to every device; inside shard_map (every axis manual) the weights are
+    the rank's own."""
     mesh = jax.sharding.get_abstract_mesh()
     if not (mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual):
         backend = "reference"
-    return skinny_matmul(x.astype(dt), kernels, backend=backend)  # kernels are cast to x's dtype
+    # kernels are cast to x's dtype
+    return skinny_matmul(x.astype(dt), kernels, out_dtypes=out_dtypes, backend=backend)
 
 
 def kernel(shape: tuple, axes: tuple, cfg, name: str):

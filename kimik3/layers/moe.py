@@ -88,7 +88,9 @@ def router_logits(x, gate):
     matmul on a large sample). bf16 activations and a bf16 gate (K3's storage): one bf16 matmul
     accumulating in fp32, whose products are exact, so it is the fp32 matmul's arithmetic on
     tensor cores, reading half the bytes. A wider gate (Kimi Linear's fp32): its bf16 pieces
-    from ROUTER_SPLIT_ROWS bf16 rows, else the fp32 matmul."""
+    from ROUTER_SPLIT_ROWS bf16 rows, else the fp32 matmul. (`moe_apply` computes K3's case in the
+    launch of the layer's other input projections at decode widths: the same products, summed in
+    the kernel's order.)"""
     if x.dtype == BF16 and gate.dtype == BF16:
         return jnp.dot(x, gate, preferred_element_type=F32)
     if x.dtype == BF16 and x.shape[0] >= ROUTER_SPLIT_ROWS:
@@ -254,14 +256,17 @@ def moe_apply(cfg, p, xf, backend=None, axes: MoEAxes = MoEAxes(), fuse_glu=Fals
     shared experts + up-projection (dedup) or shared + routed (no latent). `fuse_glu`: see
     `experts_combine`."""
     dt = cfg.jnp_dtype
-    logits = router_logits(xf, p["gate"])
-    idx, w = route(logits, p["e_score_correction_bias"], cfg, backend)
     L = cfg.routed_expert_hidden_size
     shared = p["shared_experts"] if cfg.num_shared_experts else None
-    # the latent down-projection and the shared experts' gate and up: one launch at decode
-    ins = ([p["routed_expert_down_proj"]["kernel"]] if L else []) + (
+    # the latent down-projection and the shared experts' gate and up: one launch at decode; with
+    # bf16 tokens and a bf16 gate (K3) the router's logits too, kept in fp32 (`router_logits`)
+    grouped_router = xf.dtype == BF16 and p["gate"].dtype == BF16 and dt == BF16
+    ins = ([p["gate"]] if grouped_router else []) + ([p["routed_expert_down_proj"]["kernel"]] if L else []) + (
         [shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"]] if shared else [])
-    outs = list(project(xf, ins, dt, backend))
+    out_dtypes = [F32] * grouped_router + [None] * (len(ins) - grouped_router)
+    outs = list(project(xf, ins, dt, backend, out_dtypes=out_dtypes))
+    logits = outs.pop(0) if grouped_router else router_logits(xf, p["gate"])
+    idx, w = route(logits, p["e_score_correction_bias"], cfg, backend)
     u = outs.pop(0) if L else xf
     first = 0
     if axes.expert:

@@ -91,6 +91,25 @@ def test_moe_layer_on_the_grouped_matmul_kernel():
         assert jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)) < 1e-5, name
 
 
+def test_bf16_router_rides_the_input_projections_launch(monkeypatch):
+    """K3's bf16 gate with bf16 tokens: at decode widths the router's logits come out of the
+    skinny-matmul launch of the layer's other input projections, in fp32 (not `router_logits`'s
+    own dot), and the layer equals its reference path."""
+    import kimik3.layers.moe as moe_mod
+
+    cfg = kimik3.Config.preset("tiny").replace(dtype="bfloat16", router_dtype="bfloat16")
+    layer = moe_mod.MoE(cfg)
+    x = jax.random.normal(jax.random.key(2), (3, 1, cfg.hidden_size), jnp.bfloat16)
+    params = layer.init(jax.random.key(3), x)
+    ref = layer.apply(params, x, backend="reference")
+    calls = []
+    monkeypatch.setattr(moe_mod, "router_logits", lambda *a: calls.append(a) or 1 / 0)
+    out = layer.apply(params, x, backend="interpret")
+    assert not calls and out.dtype == ref.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(ref.astype(jnp.float32)))))
+
+
 def test_long_forward_uses_chunked_prefill_attention(monkeypatch):
     import kimik3.layers.mla as mla_mod
     from kimik3.layers.mla import MLA

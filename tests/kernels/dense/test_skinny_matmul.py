@@ -63,6 +63,21 @@ def test_weights_take_the_input_dtype():
     _close(y, skinny_matmul(x, ws, backend="reference")[0], jnp.bfloat16)
 
 
+def test_an_fp32_output_keeps_the_accumulation():
+    """bf16 x and weights, one output in fp32 (the router's logits) beside bf16 ones: the fp32
+    one agrees with XLA's bf16 dot accumulated in fp32 to fp32 rounding, on the kernel and,
+    bitwise, on the reference path; a wrong count of dtypes is a one-line error."""
+    x, ws = _inputs(3, (5,), 256, (48, 96), jnp.bfloat16)
+    want = jnp.dot(x, ws[0], preferred_element_type=jnp.float32)
+    got, other = skinny_matmul(x, ws, out_dtypes=[jnp.float32, None], backend="interpret")
+    assert got.dtype == jnp.float32 and other.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    ref, _ = skinny_matmul(x, ws, out_dtypes=[jnp.float32, None], backend="reference")
+    np.testing.assert_array_equal(ref, want)
+    with pytest.raises(ValueError, match="give one a weight"):
+        skinny_matmul(x, ws, out_dtypes=[jnp.float32], backend="interpret")
+
+
 def test_shapes_left_to_xla_equal_the_reference():
     """Past MAX_ROWS, with no rows or K not a multiple of 16 the product is XLA's, bitwise, on
     every backend."""
