@@ -705,6 +705,7 @@ def err_f64(logits, x, gate, rows=256):
 
 def router_section(run, tokens, cpu):
     from kimik3.layers.moe import ROUTER_SPLIT_ROWS, route, router_fp32, router_logits, router_pieces
+    from kernels_pallas.dense import skinny_matmul
     from kernels_pallas.moe.topk import MAX_ROWS, top_k_scores
     import kimik3
 
@@ -746,6 +747,13 @@ def router_section(run, tokens, cpu):
         peer16, _ = gpu_time(fp32, x, g16, cpu=cpu)
         run.details["router"][-1].update(bf16_gate_ms=ours16, bf16_gate_fp32_ms=peer16,
                                          bf16_gate_err_f64=err16, bf16_gate_same_experts=same16)
+        # at decode widths the model computes these logits in the skinny-matmul launch of the
+        # layer's input projections (fp32 out): the same products in the kernel's order
+        grouped = jax.jit(lambda x, g: skinny_matmul(x, [g], out_dtypes=[jnp.float32], backend=backend)[0])
+        got_g = grouped(x, g16)
+        run.details["router"][-1].update(
+            skinny_err_f64=err_f64(got_g, x, g16),
+            skinny_same_experts=float(jnp.mean(jnp.all(jnp.sort(ids(want16)) == jnp.sort(ids(got_g)), -1))))
         # the choice of experts: the top-k kernel against XLA's top_k (a sort), same bits
         scores = jax.nn.sigmoid(got16)
         bias = 0.01 * jax.random.normal(jax.random.fold_in(kg, n), (E,), jnp.float32)
@@ -766,7 +774,8 @@ def router_section(run, tokens, cpu):
                     peer_name="XLA top_k", note="same ids and scores")
         run.row(ROUTER_AREA, f"bf16 gate, one bf16 matmul, {n} rows", ours16 * 1e3, "us",
                 peer=peer16 * 1e3, peer_name="fp32 matmul",
-                note=f"same experts {100 * same16:.1f}%")
+                note=f"same experts {100 * same16:.1f}%, "
+                     f"{100 * run.details['router'][-1]['skinny_same_experts']:.1f}% from the projections' launch")
 
 
 def run(rec, args):
