@@ -121,12 +121,13 @@ def test_bad_input_is_one_line_errors():
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
 def test_lowers_for_gpu_at_k3_shapes(platform):
     """Pallas' Triton lowering takes the kernel at a K3 rank's groups (no GPU needed): the KDA
-    input group at one row (ragged 12-wide weight) and at 256 rows, an output projection at 64."""
+    input group at one row (ragged 12-wide weight) and at 256 rows, an output projection at 64,
+    the MoE input group with the router's fp32 logits at 16."""
     from kernels_pallas.gpu_lowering import lower_for_gpu
 
     sd = jax.ShapeDtypeStruct
     bf16 = jnp.bfloat16
-    for m, k, ns in ((1, 7168, (1536, 1536, 1536, 1536, 128, 12)), (256, 7168, (1536, 768)),
-                     (64, 1536, (7168,))):
-        lower_for_gpu(lambda x, ws: skinny_matmul(x, ws, backend="pallas"), sd((m, k), bf16),
-                      [sd((k, n), bf16) for n in ns], platform=platform)
+    for m, k, ns, out in ((1, 7168, (1536, 1536, 1536, 1536, 128, 12), None), (256, 7168, (1536, 768), None),
+                          (64, 1536, (7168,), None), (16, 7168, (896, 3584, 768, 768), [jnp.float32] + [None] * 3)):
+        lower_for_gpu(lambda x, ws, out=out: skinny_matmul(x, ws, out_dtypes=out, backend="pallas"),
+                      sd((m, k), bf16), [sd((k, n), bf16) for n in ns], platform=platform)
