@@ -4,11 +4,10 @@ highest choice = score + bias and their unbiased scores.
 XLA runs `jax.lax.top_k` over a decode step's few rows of 896 experts as a segmented radix sort,
 several launches costing more than the router matmul. Here a program takes one row whole (the
 experts padded to a power of two with -inf) and picks k times: the row's largest choice, then its
-lowest index among equals (`jax.lax.top_k`'s order for ties), which it masks out. Two reductions a
-pick, the whole row in one warp's registers (no shared-memory round between warps); the scores
-are read at the k ids after the loop, one gather. Ids and scores are those of `top_k` plus
-`take_along_axis` exactly: no arithmetic touches a score, and the only sum is the fp32 add of the
-bias that the reference does too.
+lowest index among equals (`jax.lax.top_k`'s order for ties), which it masks out: two reductions
+a pick; the scores are read at the k ids after the loop, one gather. Ids and scores are those of
+`top_k` plus `take_along_axis` exactly: no arithmetic touches a score, and the only sum is the
+fp32 add of the bias that the reference does too.
 
 One row a program: a block of 16 rows (16 x 1024 fp32 choices and scores in 128 threads'
 registers) spilled, and made a 16-row decode step's routing many times slower than XLA's sort.
@@ -27,7 +26,7 @@ from .._backend import resolve_backend, triton_params
 
 F32 = jnp.float32
 MAX_ROWS = 64
-NUM_WARPS = 1  # a row of 1024 in 32 registers a thread: each reduction stays inside the warp
+NUM_WARPS = 4  # the fastest of 1-8 on the GPU (`python -m benchmarks moe --sections router`)
 
 
 def top_k_scores_reference(scores, bias, k: int):
