@@ -205,14 +205,13 @@ def decode(rec, args, bw, slices):
             del eng
 
 
-def ttft(model, prompt_len, chunk, seed):
-    """Seconds from submitting one `prompt_len`-token random prompt to its first token."""
-    eng = Engine(model, max_batch=1, max_seq_len=prompt_len + 64, page_size=64, prefill_chunk=chunk,
-                 decode_steps=4, prefix_cache=False)
+def ttft(eng, prompt_len, seed):
+    """Seconds from submitting one `prompt_len`-token random prompt to `eng` (one slot, idle) to
+    its first token."""
     rng = np.random.RandomState(seed)
     t0 = time.perf_counter()
-    eng.submit(list(map(int, rng.randint(0, model.cfg.vocab_size, prompt_len))),
-               SamplingParams(max_new_tokens=1, stop_tokens=()), request_id=0)
+    eng.submit(list(map(int, rng.randint(0, eng.model.cfg.vocab_size, prompt_len))),
+               SamplingParams(max_new_tokens=1, stop_tokens=()), request_id=seed)
     while eng.has_work():
         eng.step()
     jax.block_until_ready(eng.layers)
@@ -232,15 +231,18 @@ def prefill(rec, args, slices):
         case = f"prefill {T}"
         if rec.skip(case):
             continue
-        first = ttft(model, T, chunk, seed=0)  # compiles the prefill widths
-        s = ttft(model, T, chunk, seed=1)
+        # one engine for every prompt of this length: its construction stays out of the profile
+        eng = Engine(model, max_batch=1, max_seq_len=T + 64, page_size=64, prefill_chunk=chunk,
+                     decode_steps=4, prefix_cache=False)
+        first = ttft(eng, T, seed=0)  # compiles the prefill widths
+        s = ttft(eng, T, seed=1)
         fl = prefill_flops(cfg, model.params, T)
         rate = fl["total"] / s
         run = dict(prompt_len=T, chunk=chunk, first_s=first, ttft_s=s, tokens_per_s=T / s, flops=fl,
                    flops_per_s=rate, pct_of_peak=100 * rate / peak)
         note = f"{T / s:.0f} tokens/s, {rate / 1e12:.0f} TFLOP/s"
         if args.profile or args.smoke:
-            prof = prefill_profile(lambda: ttft(model, T, chunk, seed=2), s * 1e6, top=20)
+            prof = prefill_profile(lambda: ttft(eng, T, seed=2), s * 1e6, top=20)
             run["profile"] = prof or "skipped: the trace has no GPU plane (CPU)"
             if prof:
                 note += "; " + profile_note(prof)

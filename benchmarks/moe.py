@@ -764,12 +764,11 @@ def router_section(run, tokens, cpu):
             raise AssertionError("the top-k kernel chose other experts than top_k")
         t_kern, _ = gpu_time(kern, scores, bias, cpu=cpu)
         t_xla, _ = gpu_time(xla, scores, bias, cpu=cpu)
-        if n <= MAX_ROWS:  # the kernel's warps a program (the row's reductions cross warps past 1)
-            run.details["router"][-1]["top_k_us_by_warps"] = {
+        if n <= MAX_ROWS:  # (past it the kernel's entry point is XLA's top_k)
+            run.details["router"][-1]["top_k_us_by_warps"] = {  # the tuning of NUM_WARPS
                 w: 1e3 * gpu_time(jax.jit(lambda s, b, w=w: top_k_scores(
                     s, b, cfg.num_experts_per_token, backend=backend, num_warps=w)), scores, bias, cpu=cpu)[0]
                 for w in (1, 2, 4, 8)}
-        if n <= MAX_ROWS:  # (past it the kernel's entry point is XLA's top_k)
             run.row(ROUTER_AREA, f"top-k kernel, {n} rows", t_kern * 1e3, "us", peer=t_xla * 1e3,
                     peer_name="XLA top_k", note="same ids and scores")
         run.row(ROUTER_AREA, f"bf16 gate, one bf16 matmul, {n} rows", ours16 * 1e3, "us",

@@ -4,8 +4,8 @@
 Grid (row blocks, column tiles of every weight in turn). Row blocks vary fastest, so the programs
 that read the same weight tile run together and all but the first find it in L2. A program
 streams its weight tile down the whole K in block_k steps (software-pipelined loads) with the x
-rows beside it, accumulates in fp32 and writes its tile in its output's dtype (x's, or fp32 for the router's
-logits); rows past M and columns past N_i are masked.
+rows beside it, accumulates in fp32 and writes its tile in its output's dtype (x's, or fp32 for
+the router's logits); rows past M and columns past N_i are masked.
 """
 from __future__ import annotations
 
