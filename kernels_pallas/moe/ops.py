@@ -100,7 +100,7 @@ def gather_rows(x, rows, w, *, backend: str | None = None, fused_glu: bool = Fal
     return split_x(x, cfg).take(rows) if needs_split_x(cfg) else x[rows]
 
 
-def _check(x, ws, group_sizes):
+def _check(x, ws, group_sizes, row_groups=None):
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got {x.shape}")
     shapes = {tuple(w.shape) for w in ws}
@@ -109,8 +109,14 @@ def _check(x, ws, group_sizes):
     g, k, n = ws[0].shape
     if k != x.shape[1]:
         raise ValueError(f"x has K={x.shape[1]}, weights have K={k}")
-    if group_sizes.shape != (g,):
+    if (group_sizes is None) == (row_groups is None):
+        raise ValueError("pass either group_sizes (rows sorted by group) or row_groups (each "
+                         "row's group), not both or neither")
+    if group_sizes is not None and group_sizes.shape != (g,):
         raise ValueError(f"group_sizes must be [{g}], got {group_sizes.shape}")
+    if row_groups is not None and row_groups.shape != (x.shape[0],):
+        raise ValueError(f"row_groups must be [M] = [{x.shape[0]}] (a group per row of x), got "
+                         f"{row_groups.shape}")
     if any(is_mxfp4(w) for w in ws) and not all(is_mxfp4(w) for w in ws):
         raise ValueError("mixing MXFP4 and dense weights in one call is not supported")
     return g, k, n
@@ -127,8 +133,17 @@ def _resolve_config(x, ws, config, interpret):
                           layout=ws[0].layout if quant else "k3")
 
 
-def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, precision):
-    g, k, n = _check(x, ws, group_sizes)
+def row_tiles(row_groups):
+    """The tile plan [3, M] of rows in any order, a tile per row: (its group, i, i + 1). A group
+    of G writes the row as zeros, as the rows past sum(group_sizes) are."""
+    m = row_groups.shape[0]
+    at = jnp.arange(m, dtype=jnp.int32)
+    return jnp.stack([row_groups.astype(jnp.int32), at, at + 1])
+
+
+def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, precision,
+                row_groups=None):
+    g, k, n = _check(x, ws, group_sizes, row_groups)
     m = x.shape[0]
     quant = is_mxfp4(ws[0])
     if m == 0:
@@ -163,8 +178,11 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
     if cfg.split_k > 1 and len(ws) > 1:
         raise ValueError("split_k sums partial products after the kernel, so the fused gate/up "
                          "(its activation in the epilogue) cannot take it: use fuse=False")
-    meta = tile_plan(group_sizes, m, cfg.block_m, interpret=interpret,
-                     tail=cfg.block_m_small if cfg.fuse_tail else 0)  # one launch
+    if row_groups is not None:
+        meta = row_tiles(row_groups)
+    else:
+        meta = tile_plan(group_sizes, m, cfg.block_m, interpret=interpret,
+                         tail=cfg.block_m_small if cfg.fuse_tail else 0)  # one launch
     flat_w = []
     for w in ws:
         flat_w += [w.packed, w.scales] if quant else [w]
@@ -189,28 +207,36 @@ def _check_paired(cfg: GmmConfig, interpret: bool):
                          f"GPU, or load the weights in the K3 layout (mxfp4_layout='k3') elsewhere")
 
 
-def moe_gmm(x, w, group_sizes, *, backend: str | None = None, preferred_element_type=None,
-            config: GmmConfig | None = None, precision=None):
+def moe_gmm(x, w, group_sizes=None, *, row_groups=None, backend: str | None = None,
+            preferred_element_type=None, config: GmmConfig | None = None, precision=None):
     """Grouped matmul, `jax.lax.ragged_dot` semantics: out[i] = x[i] @ w[group(i)].
 
     x [M, K]; w [G, K, N] dense or `MXFP4Weight(packed [G, N, K/2], scales [G, N, K/32])`;
-    group_sizes [G] int32, sum <= M (rows past the sum are zero). fp32 accumulation; output in
-    `preferred_element_type` or x.dtype. backend: "reference" | "pallas" | "interpret" | None.
+    group_sizes [G] int32, sum <= M (rows sorted by group; rows past the sum are zero). Or, in
+    its place, row_groups [M] int32 in [0, G]: each row's group, rows in any order (G: a zero
+    row); the kernel then takes a tile per row, with no plan to compute: for a few rows (a
+    decode step's routed pairs) that saves the sort that grouping needs, and re-reads a group's
+    weights for each of its rows. fp32 accumulation; output in `preferred_element_type` or
+    x.dtype. backend: "reference" | "pallas" | "interpret" | None.
     """
     backend = resolve_backend(backend)
     out_dtype = preferred_element_type or x.dtype
     if backend == "reference":
         x = x.dense() if isinstance(x, SplitX) else x
-        return moe_gmm_reference(x, w, group_sizes, preferred_element_type=out_dtype)
+        return moe_gmm_reference(x, w, group_sizes, row_groups=row_groups,
+                                 preferred_element_type=out_dtype)
     return _gmm_pallas(x, (w,), group_sizes, epilogue=lambda a: a, out_dtype=out_dtype,
-                       config=config, interpret=backend == "interpret", precision=precision)
+                       config=config, interpret=backend == "interpret", precision=precision,
+                       row_groups=row_groups)
 
 
-def moe_gmm_glu(x, w1, w3, group_sizes, *, activation: str = "swiglu", backend: str | None = None,
-                preferred_element_type=None, config: GmmConfig | None = None, precision=None,
-                situ_beta: float = 4.0, situ_linear_beta: float = 25.0, fuse: bool = False):
+def moe_gmm_glu(x, w1, w3, group_sizes=None, *, row_groups=None, activation: str = "swiglu",
+                backend: str | None = None, preferred_element_type=None,
+                config: GmmConfig | None = None, precision=None, situ_beta: float = 4.0,
+                situ_linear_beta: float = 25.0, fuse: bool = False):
     """Gate/up: act(x @ w1[g]) * (x @ w3[g]) (activation "swiglu" or "situ": SiTU(a) *
-    25 tanh(b / 25)). w1, w3 as in `moe_gmm` (both dense or both MXFP4). `fuse`: one pass over
+    25 tanh(b / 25)). w1, w3 and group_sizes or row_groups as in `moe_gmm` (both weights
+    dense or both MXFP4). `fuse`: one pass over
     x with both products and the activation in the kernel's epilogue; False: two `moe_gmm`
     launches with fp32 outputs, then the activation in XLA (same math, an [M, N] fp32 pair in
     memory). Unfused is the default: inside the K3 layer on the GPU it was the faster form
@@ -221,18 +247,21 @@ def moe_gmm_glu(x, w1, w3, group_sizes, *, activation: str = "swiglu", backend: 
         cfg = _resolve_config(x, (w1,), config, backend == "interpret")
         if is_mxfp4(w1) and needs_split_x(cfg) and not isinstance(x, SplitX):
             x = split_x(x, cfg)  # once for both products
-        a, b = (moe_gmm(x, w, group_sizes, backend=backend, preferred_element_type=jnp.float32,
-                        config=config, precision=precision) for w in (w1, w3))
+        a, b = (moe_gmm(x, w, group_sizes, row_groups=row_groups, backend=backend,
+                        preferred_element_type=jnp.float32, config=config, precision=precision)
+                for w in (w1, w3))
         return glu(a, b, activation, situ_beta=situ_beta,
                    situ_linear_beta=situ_linear_beta).astype(out_dtype)
     if isinstance(x, SplitX) and backend == "reference":
         x = x.dense()
     if backend == "reference":
-        return moe_gmm_glu_reference(x, w1, w3, group_sizes, activation=activation,
+        return moe_gmm_glu_reference(x, w1, w3, group_sizes, row_groups=row_groups,
+                                     activation=activation,
                                      preferred_element_type=out_dtype, situ_beta=situ_beta,
                                      situ_linear_beta=situ_linear_beta)
     glu(jnp.zeros(()), jnp.zeros(()), activation)  # validate the name early
     epi = functools.partial(glu, activation=activation, situ_beta=situ_beta,
                             situ_linear_beta=situ_linear_beta)
     return _gmm_pallas(x, (w1, w3), group_sizes, epilogue=epi, out_dtype=out_dtype,
-                       config=config, interpret=backend == "interpret", precision=precision)
+                       config=config, interpret=backend == "interpret", precision=precision,
+                       row_groups=row_groups)

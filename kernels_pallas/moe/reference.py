@@ -74,9 +74,17 @@ def _compute_dtype(x, w):
     return jnp.promote_types(x.dtype, jnp.asarray(w).dtype)
 
 
-def moe_gmm_reference(x, w, group_sizes, *, preferred_element_type=None):
-    """out[M, N] = ragged_dot(x, w, group_sizes), fp32 accumulation."""
+def moe_gmm_reference(x, w, group_sizes=None, *, row_groups=None, preferred_element_type=None):
+    """out[M, N] = ragged_dot(x, w, group_sizes), fp32 accumulation. With row_groups [M] in
+    place of group_sizes (rows in any order, each its group's; G is a zero row): the rows sorted
+    by group, the same product, the rows put back."""
     out_dtype = preferred_element_type or x.dtype
+    if row_groups is not None:
+        g = w.shape[0]
+        order = jnp.argsort(row_groups, stable=True)
+        sizes = jnp.bincount(row_groups, length=g + 1)[:g].astype(jnp.int32)
+        y = moe_gmm_reference(x[order], w, sizes, preferred_element_type=out_dtype)
+        return jnp.zeros_like(y).at[order].set(y)
     cdt = _compute_dtype(x, w)
     wd = dense_weight(w, cdt)
     y = jax.lax.ragged_dot(x.astype(cdt), wd, group_sizes.astype(jnp.int32),
@@ -101,13 +109,14 @@ def glu(a, b, activation: str = "swiglu", *, situ_beta: float = 4.0, situ_linear
     raise ValueError(f"activation={activation!r} is not 'swiglu' or 'situ'")
 
 
-def moe_gmm_glu_reference(x, w1, w3, group_sizes, *, activation: str = "swiglu",
-                          preferred_element_type=None, situ_beta: float = 4.0,
-                          situ_linear_beta: float = 25.0):
-    """act(x @ w1[g]) * (x @ w3[g]) per group (K3's gate/up pair), rows past the sum are zero."""
+def moe_gmm_glu_reference(x, w1, w3, group_sizes=None, *, row_groups=None,
+                          activation: str = "swiglu", preferred_element_type=None,
+                          situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """act(x @ w1[g]) * (x @ w3[g]) per group (K3's gate/up pair), rows past the sum (or of
+    row group G) are zero."""
     out_dtype = preferred_element_type or x.dtype
-    a = moe_gmm_reference(x, w1, group_sizes, preferred_element_type=jnp.float32)
-    b = moe_gmm_reference(x, w3, group_sizes, preferred_element_type=jnp.float32)
+    a, b = (moe_gmm_reference(x, w, group_sizes, row_groups=row_groups,
+                              preferred_element_type=jnp.float32) for w in (w1, w3))
     y = glu(a, b, activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
     # glu(0, 0) == 0, so rows past the sum stay zero.
     return y.astype(out_dtype)

@@ -1,6 +1,6 @@
 """Dense MLP and the (latent) MoE: sigmoid router with a selection-only correction bias, top-k,
 renormalise, routed scaling; sort tokens by expert and run grouped matmuls (no expert computes
-tokens it was not chosen for); weighted combine; K3's latent path (down, experts in latent space,
+tokens it was not chosen for; a decode step's few pairs go unsorted, a tile each); weighted combine; K3's latent path (down, experts in latent space,
 RMSNorm, up) and the shared experts. Math: reference/k3_checkpoint.md section 3.
 
 The math is written once, as pure functions of a parameter dict (`moe_apply`, `experts_combine`,
@@ -39,6 +39,7 @@ import flax.linen as nn
 from jax import shard_map
 from jax.sharding import PartitionSpec as P
 
+from kernels_pallas import resolve_backend
 from kernels_pallas.moe import (MXFP4PairedWeight, MXFP4Weight, gather_rows, moe_gmm,
                                 moe_gmm_glu, mxfp4)
 from kernels_pallas.moe.topk import top_k_scores
@@ -202,6 +203,13 @@ def _grouped_weight(experts: dict, name: str, dtype, layout: str = "k3"):
     return cls(experts[f"{name}_packed"], experts[f"{name}_scale"])
 
 
+# Up to this many (token, expert) pairs the kernels take them in pair order, a row tile each
+# (`moe_gmm(row_groups=)`): no sort, counts, tile plan or un-permute, about six launches a layer
+# at a decode step's one to four tokens. A token's k experts are distinct, so one token re-reads
+# no weights; four tokens repeat an expert in ~2 of 64 pairs over K3's 896.
+PAIR_ORDER_PAIRS = 64
+
+
 def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0,
                     fuse_glu=False):
     """sum_j weights[n, j] * expert_{idx[n, j]}(u[n]) in fp32 [N, in], over the experts held here:
@@ -209,21 +217,31 @@ def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0,
     pairs routed elsewhere contribute 0. With the whole set (first 0, E_local = E) this is the
     layer's routed output; split intermediates give a partial sum. `fuse_glu`: gate/up and the
     activation in one kernel (see `moe_gmm_glu`); off by default: at K3 dims the two products
-    plus the activation in XLA measured faster at every token count (BENCHMARKS.md, MoE)."""
+    plus the activation in XLA measured faster at every token count (BENCHMARKS.md, MoE).
+    The kernel backends take up to PAIR_ORDER_PAIRS pairs unsorted; each pair's product is the
+    same either way."""
     dt = cfg.jnp_dtype
     w = {n: _grouped_weight(experts, n, dt, cfg.mxfp4_layout) for n in ("w1", "w3", "w2")}
     E_local = w["w1"].shape[0]
     N, k = idx.shape
     local = idx.reshape(-1) - first
     key = jnp.where((local >= 0) & (local < E_local), local, E_local)  # held elsewhere: sorted last
+    act = "situ" if cfg.hidden_act == "situ" else "swiglu"
+    glu_args = dict(activation=act, backend=backend, situ_beta=cfg.situ_beta,
+                    situ_linear_beta=cfg.situ_linear_beta, fuse=fuse_glu)
+    if resolve_backend(backend) != "reference" and N * k <= PAIR_ORDER_PAIRS:
+        # group E_local: a zero row, for the pairs of experts held elsewhere
+        xs = gather_rows(u, jnp.arange(N * k, dtype=jnp.int32) // k, w["w1"], backend=backend,
+                         fused_glu=fuse_glu)
+        h = moe_gmm_glu(xs, w["w1"], w["w3"], row_groups=key, **glu_args)
+        y = moe_gmm(h.astype(dt), w["w2"], row_groups=key, backend=backend)
+        return jnp.sum(weights.astype(F32)[..., None] * y.reshape(N, k, -1).astype(F32), axis=1)
     order, rank = expert_order(key)
     group_sizes = jnp.bincount(key, length=E_local + 1)[:E_local].astype(jnp.int32)
     rows = order[:N * min(k, E_local)]  # a token's k experts are distinct: its held pairs fit
     # x split (where the kernel wants it) on the N tokens, then the N * k rows gathered
     xs = gather_rows(u, rows // k, w["w1"], backend=backend, fused_glu=fuse_glu)
-    act = "situ" if cfg.hidden_act == "situ" else "swiglu"
-    h = moe_gmm_glu(xs, w["w1"], w["w3"], group_sizes, activation=act, backend=backend,
-                    situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, fuse=fuse_glu)
+    h = moe_gmm_glu(xs, w["w1"], w["w3"], group_sizes, **glu_args)
     y = moe_gmm(h.astype(dt), w["w2"], group_sizes, backend=backend)  # rows past the sum are zero
     # Un-permute as a gather through the inverse of `rows` (pairs without a row read zeros), then
     # the weighted k-sum: the gather fuses into the sum, where a scatter of y into pair order

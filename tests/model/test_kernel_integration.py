@@ -91,6 +91,26 @@ def test_moe_layer_on_the_grouped_matmul_kernel():
         assert jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)) < 1e-5, name
 
 
+def test_decode_moe_takes_its_pairs_unsorted(monkeypatch):
+    """A decode step's few (token, expert) pairs go to the kernels in pair order (no sort): the
+    layer's output is bitwise that of the sorted path on the same kernels (each pair's tile is
+    the same), experts repeated across tokens included, and close to the reference."""
+    import kimik3.layers.moe as moe_mod
+
+    cfg = kimik3.Config.preset("tiny")  # MXFP4 latent experts, SiTU; 8 experts, k 2
+    layer = moe_mod.MoE(cfg)
+    x = jax.random.normal(jax.random.key(4), (5, 1, cfg.hidden_size))  # 10 pairs: a repeat
+    params = layer.init(jax.random.key(5), x)
+    monkeypatch.setattr(moe_mod, "expert_order", lambda *a: 1 / 0)
+    pairs = layer.apply(params, x, backend="interpret")
+    monkeypatch.undo()
+    monkeypatch.setattr(moe_mod, "PAIR_ORDER_PAIRS", 0)
+    sorted_path = layer.apply(params, x, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(pairs), np.asarray(sorted_path))
+    ref = layer.apply(params, x, backend="reference")
+    assert jnp.max(jnp.abs(pairs - ref)) / jnp.max(jnp.abs(ref)) < 1e-5
+
+
 def test_bf16_router_rides_the_input_projections_launch(monkeypatch):
     """K3's bf16 gate with bf16 tokens: at decode widths the router's logits come out of the
     skinny-matmul launch of the layer's other input projections, in fp32 (not `router_logits`'s

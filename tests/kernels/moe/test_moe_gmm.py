@@ -497,6 +497,37 @@ def test_default_config_and_gather_rows_in_interpret_mode():
                                   np.asarray(x[rows]))
 
 
+def test_row_groups_a_tile_per_row_in_any_order():
+    """moe_gmm(row_groups=): rows unsorted, a group repeated, group G rows zero. Equal to the
+    reference and, row for row, bitwise to the grouped path's kernel on the rows sorted (one row
+    a group there too, so each row's tile is the same); the gate/up pair on the same rows."""
+    rng = np.random.default_rng(37)
+    m, k, n, g = 10, 256, 64, 16
+    groups = jnp.asarray([5, 2, 9, 16, 0, 2, 15, 7, 16, 11], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w1, w3 = (_weights(rng, g, k, n, "mxfp4") for _ in range(2))
+    y = moe_gmm(x, w1, row_groups=groups, backend="interpret")
+    ref = moe_gmm(x, w1, row_groups=groups, backend="reference")
+    assert _rel(y, ref) < 1e-2
+    zero = np.asarray(groups) == g
+    assert np.all(np.asarray(y, np.float32)[zero] == 0) and np.all(np.asarray(ref, np.float32)[zero] == 0)
+    distinct = np.array([0, 2, 4, 6, 7, 9])  # rows of six distinct groups
+    order = distinct[np.argsort(np.asarray(groups)[distinct])]
+    sizes = jnp.zeros((g,), jnp.int32).at[groups[order]].set(1)
+    grouped = moe_gmm(x[order], w1, sizes, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(grouped), np.asarray(y)[order])
+    dense = [_weights(rng, g, k, n, "bf16") for _ in range(2)]  # and dense weights, fused or not
+    want = moe_gmm_glu(x, *dense, row_groups=groups, activation="situ", backend="reference")
+    for fuse in (False, True):
+        got = moe_gmm_glu(x, *dense, row_groups=groups, activation="situ", backend="interpret",
+                          fuse=fuse)
+        assert _rel(got, want) < 1e-2, fuse
+    with pytest.raises(ValueError, match="either group_sizes"):
+        moe_gmm(x, w1, sizes, row_groups=groups, backend="interpret")
+    with pytest.raises(ValueError, match="row_groups must be"):
+        moe_gmm(x, w1, row_groups=groups[:4], backend="interpret")
+
+
 def test_benchmark_kernels_lower_for_h200():
     """Every kernel the MoE benchmark times (each layer shape at its CUDA default config, MXFP4 in
     both layouts, bf16, the fused gate/up) lowers to Triton IR for an H200, and so do the
