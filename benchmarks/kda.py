@@ -101,7 +101,7 @@ def correctness():
         a = decode_inputs(B, H, 128, dt)
         r = jax.jit(kda_decode_reference, static_argnames=("num_heads", "lower_bound"))(
             **a, num_heads=H, lower_bound=lb)
-        p = kda_decode(**{n: x.copy() for n, x in a.items()}, num_heads=H, lower_bound=lb,
+        p = kda_decode(**jax.tree.map(jnp.copy, a), num_heads=H, lower_bound=lb,
                        backend=A.backend)
         key = f"decode B{B} H{H} {jnp.dtype(dt).name} lb={lb}"
         REC.details["checks"][key] = {"o_rel": rel(p[0], r[0]), "conv_rel": rel(p[1], r[1]),
@@ -122,9 +122,9 @@ def correctness():
 def decode_inputs(B, H, K, dt, seed=0):
     ks = jax.random.split(jax.random.key(seed), 10)
     P = H * K
-    return dict(qkv=jax.random.normal(ks[0], (B, 3 * P)).astype(dt),
+    return dict(qkv=tuple(jax.random.normal(ks[0], (3, B, P)).astype(dt)),
                 conv_state=jax.random.normal(ks[1], (B, 3, 3 * P)).astype(dt),
-                conv_w=jax.random.normal(ks[2], (3 * P, 4)) * 0.5,
+                conv_w=tuple(jax.random.normal(ks[2], (3, P, 4)) * 0.5),
                 f=jax.random.normal(ks[3], (B, P)).astype(dt),
                 A_log=jax.random.uniform(ks[4], (128,)),
                 dt_bias=jax.random.normal(ks[5], (P,)),
@@ -294,11 +294,12 @@ def decode(shapes):
             ref_o, _, ref_s = jax.jit(kda_decode_reference,
                                       static_argnames=("num_heads", "lower_bound"))(
                 **a, num_heads=H, lower_bound=-5.0)
-        o1, _, s1 = kda_decode_pallas(**{n_: x.copy() for n_, x in a.items()}, num_heads=H,
+        o1, _, s1 = kda_decode_pallas(**jax.tree.map(jnp.copy, a), num_heads=H,
                                       lower_bound=-5.0)
         P = H * K
-        xx = jnp.concatenate([a["conv_state"].astype(F32), a["qkv"].astype(F32)[:, None]], 1)
-        y = jax.nn.silu(jnp.einsum("bwc,cw->bc", xx, a["conv_w"])).astype(BF16)
+        qkv, conv_w = jnp.concatenate(a["qkv"], -1), jnp.concatenate(a["conv_w"])
+        xx = jnp.concatenate([a["conv_state"].astype(F32), qkv.astype(F32)[:, None]], 1)
+        y = jax.nn.silu(jnp.einsum("bwc,cw->bc", xx, conv_w)).astype(BF16)
         q, k, v = (z.reshape(B, 1, H, K) for z in jnp.split(y, 3, -1))
         g = kda_gate(a["f"].reshape(B, 1, H, K), a["A_log"], a["dt_bias"], lower_bound=-5.0)
         beta = jax.nn.sigmoid(a["b"].astype(F32)).reshape(B, 1, H)
@@ -340,7 +341,7 @@ def decode(shapes):
         for item in A.decode_variant:
             kw = parse_overrides(item)
             us_v = decode_loop_us(a, H, n, **kw)
-            vo, _, vs = kda_decode_pallas(**{n_: x.copy() for n_, x in a.items()}, num_heads=H,
+            vo, _, vs = kda_decode_pallas(**jax.tree.map(jnp.copy, a), num_heads=H,
                                           lower_bound=-5.0, **kw)
             fv = lambda a, kw=kw: kda_decode_pallas(**a, num_heads=H, lower_bound=-5.0, **kw)
             kt_v = kernel_times(jax.jit(fv), cur, reps=20)

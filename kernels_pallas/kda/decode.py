@@ -7,10 +7,13 @@ Per (sequence, head) program, for the one new token:
   o = S^T (scale q), then gated RMSNorm (o_norm weight, eps, x sigmoid(output gate)) written
   straight into the [B, H*V] destination.
 
-Layouts follow the model (kimik3/layers/kda.py): qkv [B, 3P] (q | k | v projections, P = H*K),
-conv_state [B, W-1, 3P], conv_w [3P, W] fp32, f [B, P] raw gate projection, A_log [>= H],
+Layouts follow the model (kimik3/layers/kda.py): qkv = (q, k, v) projections [B, P] each (P =
+H*K), conv_state [B, W-1, 3P] (q | k | v channels), conv_w = (q, k, v) conv weights [P, W] each,
+f [B, P] raw gate projection, A_log [>= H],
 dt_bias [P], b [B, H] beta logits, gate [B, P] raw output gate, o_norm_w [K], state [B, H, K, K]
 fp32. Rounding points follow the model: the conv output is rounded to qkv's dtype before the norm.
+q, k, v and their conv weights come as the model holds them, not concatenated: at decode each
+concatenation was a launch of its own.
 
 Warps: 4 by default (`python -m benchmarks kda`, BENCHMARKS.md).
 """
@@ -28,29 +31,29 @@ from .reference import kda_gate, kda_recurrent, l2norm
 F32 = jnp.float32
 
 
-def _decode_kernel(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gate_ref, onw_ref,
-                   s_ref, live_ref, o_ref, cs_out_ref, s_out_ref, **kw):
+def _decode_kernel(q_ref, k_ref, v_ref, cs_ref, wq_ref, wk_ref, wv_ref, f_ref, alog_ref, dtb_ref,
+                   b_ref, gate_ref, onw_ref, s_ref, live_ref, o_ref, cs_out_ref, s_out_ref, **kw):
     live = live_ref[...] != 0
 
     @pl.when(live)
     def _():
-        _decode_row(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gate_ref, onw_ref,
-                    s_ref, o_ref, cs_out_ref, s_out_ref, **kw)
+        _decode_row((q_ref, k_ref, v_ref), cs_ref, (wq_ref, wk_ref, wv_ref), f_ref, alog_ref,
+                    dtb_ref, b_ref, gate_ref, onw_ref, s_ref, o_ref, cs_out_ref, s_out_ref, **kw)
 
     @pl.when(~live)  # an idle row: both states stay in place untouched (aliased), its output is 0
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def _decode_row(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gate_ref, onw_ref,
+def _decode_row(x_refs, cs_ref, w_refs, f_ref, alog_ref, dtb_ref, b_ref, gate_ref, onw_ref,
                 s_ref, o_ref, cs_out_ref, s_out_ref, *, W, scale, lower_bound, eps, xdtype):
-    K = qkv_ref.shape[-1]
+    K = x_refs[0].shape[-1]
     col = jax.lax.broadcasted_iota(jnp.int32, (K, W), 1)
     ys, hists, xs = [], [], []
     for j in range(3):  # q, k, v
         hist = [cs_ref[i, j, :].astype(F32) for i in range(W - 1)]
-        x = qkv_ref[j, :].astype(F32)
-        w = cw_ref[j, :, :].astype(F32)  # [K, W]
+        x = x_refs[j][...].astype(F32)
+        w = w_refs[j][...].astype(F32)  # [K, W]
         y = x * jnp.sum(jnp.where(col == W - 1, w, 0.0), axis=1)
         for i in range(W - 1):
             y = y + hist[i] * jnp.sum(jnp.where(col == i, w, 0.0), axis=1)
@@ -96,61 +99,61 @@ def _decode_row(qkv_ref, cs_ref, cw_ref, f_ref, alog_ref, dtb_ref, b_ref, gate_r
 def kda_decode_pallas(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state,
                       live=None, *, num_heads, lower_bound=None, eps=1e-5, scale=None,
                       interpret=False, num_warps=4):
-    B, P3 = qkv.shape
+    B, P = qkv[0].shape
     live = jnp.ones((B,), jnp.int32) if live is None else live.astype(jnp.int32)
     H = num_heads
-    P = P3 // 3
     K = P // H
-    W = conv_w.shape[-1]
+    W = conv_w[0].shape[-1]
     scale = float(K ** -0.5 if scale is None else scale)
-    qkv4 = qkv.reshape(B, 3, H, K)
+    xs = [x.reshape(B, H, K) for x in qkv]
     cs5 = conv_state.reshape(B, W - 1, 3, H, K)
-    cw4 = conv_w.reshape(3, H, K, W)
+    ws = [w.reshape(H, K, W) for w in conv_w]
+    row = pl.BlockSpec((None, None, K), lambda b_, h: (b_, h, 0))  # one (row, head)'s K values
     f3 = f.reshape(B, H, K)
     dtb = dt_bias.reshape(H, K)
     alog = A_log.reshape(-1)[:H]
     g3 = gate.reshape(B, H, K)
     out, cs_new, s_new = pl.pallas_call(
         functools.partial(_decode_kernel, W=W, scale=scale, lower_bound=lower_bound, eps=eps,
-                          xdtype=qkv.dtype),
+                          xdtype=qkv[0].dtype),
         grid=(B, H),
         in_specs=[
-            pl.BlockSpec((None, 3, None, K), lambda b_, h: (b_, 0, h, 0)),          # qkv
+            row, row, row,                                                         # q, k, v
             pl.BlockSpec((None, W - 1, 3, None, K), lambda b_, h: (b_, 0, 0, h, 0)),  # conv state
-            pl.BlockSpec((3, None, K, W), lambda b_, h: (0, h, 0, 0)),             # conv w
-            pl.BlockSpec((None, None, K), lambda b_, h: (b_, h, 0)),               # f
+            *[pl.BlockSpec((None, K, W), lambda b_, h: (h, 0, 0))] * 3,            # conv w q, k, v
+            row,                                                                   # f
             pl.BlockSpec((None,), lambda b_, h: (h,)),                            # A_log
             pl.BlockSpec((None, K), lambda b_, h: (h, 0)),                         # dt_bias
             pl.BlockSpec((None, None), lambda b_, h: (b_, h)),                     # beta logit
-            pl.BlockSpec((None, None, K), lambda b_, h: (b_, h, 0)),               # out gate
+            row,                                                                   # out gate
             pl.BlockSpec((K,), lambda b_, h: (0,)),                                # o_norm w
             pl.BlockSpec((None, None, K, K), lambda b_, h: (b_, h, 0, 0)),         # state
             pl.BlockSpec((None,), lambda b_, h: (b_,)),                            # live
         ],
         out_specs=[
-            pl.BlockSpec((None, None, K), lambda b_, h: (b_, h, 0)),
+            row,
             pl.BlockSpec((None, W - 1, 3, None, K), lambda b_, h: (b_, 0, 0, h, 0)),
             pl.BlockSpec((None, None, K, K), lambda b_, h: (b_, h, 0, 0)),
         ],
-        out_shape=(jax.ShapeDtypeStruct((B, H, K), qkv.dtype),
+        out_shape=(jax.ShapeDtypeStruct((B, H, K), qkv[0].dtype),
                    jax.ShapeDtypeStruct(cs5.shape, conv_state.dtype),
                    jax.ShapeDtypeStruct(state.shape, F32)),
-        input_output_aliases={1: 1, 9: 2},
+        input_output_aliases={3: 1, 13: 2},
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode",
-    )(qkv4, cs5, cw4, f3, alog, dtb, b, g3, o_norm_w, state, live)
+    )(*xs, cs5, *ws, f3, alog, dtb, b, g3, o_norm_w, state, live)
     return out.reshape(B, P), cs_new.reshape(conv_state.shape), s_new
 
 
 def kda_decode_reference(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state,
                          live=None, *, num_heads, lower_bound=None, eps=1e-5, scale=None):
     """The same step composed from reference.py (kda_gate, l2norm, kda_recurrent)."""
+    qkv, conv_w = jnp.concatenate(qkv, axis=-1), jnp.concatenate(conv_w)  # [B, 3P], [3P, W]
     B, P3 = qkv.shape
     H = num_heads
     P = P3 // 3
     K = P // H
-    W = conv_w.shape[-1]
     xx = jnp.concatenate([conv_state.astype(F32), qkv.astype(F32)[:, None]], axis=1)  # [B, W, 3P]
     y = jnp.einsum("bwc,cw->bc", xx, conv_w.astype(F32), precision=jax.lax.Precision.HIGHEST)
     y = jax.nn.silu(y).astype(qkv.dtype)
@@ -174,9 +177,10 @@ def kda_decode_reference(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_
 
 def kda_decode(qkv, conv_state, conv_w, f, A_log, dt_bias, b, gate, o_norm_w, state, live=None, *,
                num_heads, lower_bound=None, eps=1e-5, scale=None, backend=None, num_warps=4):
-    """One decode step of a KDA layer -> (out [B, P] in qkv's dtype, new conv_state, new state).
-    live [B] (default: every row): rows where it is 0 take no token, keep both states and output
-    0 (an engine's idle slots).
+    """One decode step of a KDA layer -> (out [B, P] in q's dtype, new conv_state, new state).
+    qkv: the (q, k, v) projections [B, P] each; conv_w: their conv weights ([P, W] each); the
+    other layouts in the module docstring. live [B] (default: every row): rows where it is 0
+    take no token, keep both states and output 0 (an engine's idle slots).
 
     On the Pallas backends conv_state and state are donated and updated in place."""
     backend = resolve_backend(backend)

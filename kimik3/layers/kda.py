@@ -71,11 +71,9 @@ def kda_apply(cfg, p, x, cache, n_new, backend=None, tensor_axis=None, all_posit
     q, k, v, f_a, b_logits, gate = project(  # every projection of x in one launch at decode
         x, [p[n]["kernel"] for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", gate_in)],
         dt, backend)
-    qkv_raw = jnp.concatenate([q, k, v], axis=-1)
-    conv_w = jnp.concatenate([p[f"{n}_conv1d"] for n in "qkv"])
+    conv_ws = [p[f"{n}_conv1d"] for n in "qkv"]
     f = project(f_a, [p["f_b_proj"]["kernel"]], dt, backend)[0]
     A_log, dt_bias, o_norm = p["A_log"], p["dt_bias"], p["o_norm"]
-    b_logits = b_logits.astype(F32)
     if not cfg.use_full_rank_gate:
         gate = project(gate, [p["g_b_proj"]["kernel"]], dt, backend)[0]
 
@@ -85,13 +83,17 @@ def kda_apply(cfg, p, x, cache, n_new, backend=None, tensor_axis=None, all_posit
 
     if T == 1 and not all_positions and resolve_backend(backend) != "reference":
         # One fused launch: conv update, norms, gates, state update in place, gated norm. Idle
-        # rows (n_new = 0) are skipped inside it: both states stay in place untouched.
+        # rows (n_new = 0) are skipped inside it: both states stay in place untouched. q, k, v,
+        # their conv weights and the beta logits go in as they are (it concatenates and casts).
         o, conv_state, state = kda_decode(
-            qkv_raw[:, 0], cache["conv"], conv_w, f[:, 0], A_log, dt_bias, b_logits[:, 0], gate[:, 0],
-            o_norm, cache["state"], n_new, num_heads=H, lower_bound=cfg.gate_lower_bound,
-            eps=cfg.rms_norm_eps, backend=backend)
+            (q[:, 0], k[:, 0], v[:, 0]), cache["conv"], conv_ws, f[:, 0], A_log, dt_bias,
+            b_logits[:, 0], gate[:, 0], o_norm, cache["state"], n_new, num_heads=H,
+            lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps, backend=backend)
         return out_proj(o[:, None].astype(dt)), {"state": state, "conv": conv_state}
 
+    qkv_raw = jnp.concatenate([q, k, v], axis=-1)
+    conv_w = jnp.concatenate(conv_ws)
+    b_logits = b_logits.astype(F32)
     qkv, conv_state = causal_conv(qkv_raw, cache["conv"], conv_w, n_new)
     q, k, v = (a.reshape(B, T, H, K) for a in jnp.split(qkv, 3, axis=-1))
     g = kernels_pallas.kda_gate(f.reshape(B, T, H, K), A_log, dt_bias, lower_bound=cfg.gate_lower_bound)

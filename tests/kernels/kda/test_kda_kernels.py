@@ -162,9 +162,9 @@ def test_inverse_bf16x3_products():
 @pytest.mark.parametrize("dt,lb,K", [(F32, None, 32), (jnp.bfloat16, -5.0, 128)])
 def test_decode_vs_reference(dt, lb, K):
     a = decode_inputs(3, 2, K, dt, seed=3)
-    ref = kda_decode(**{n: x.copy() for n, x in a.items()}, num_heads=2, lower_bound=lb,
+    ref = kda_decode(**jax.tree.map(jnp.copy, a), num_heads=2, lower_bound=lb,
                      eps=1e-5, backend="reference")
-    out = kda_decode(**{n: x.copy() for n, x in a.items()}, num_heads=2, lower_bound=lb,
+    out = kda_decode(**jax.tree.map(jnp.copy, a), num_heads=2, lower_bound=lb,
                      eps=1e-5, backend="interpret")
     for x, r in zip(out, ref):
         assert x.shape == r.shape and x.dtype == r.dtype
@@ -178,9 +178,9 @@ def test_decode_skips_idle_rows():
     others are the full step's, on both backends."""
     a = decode_inputs(3, 2, 32, F32, seed=4)
     live = jnp.array([1, 0, 1], jnp.int32)
-    full = kda_decode(**{n: x.copy() for n, x in a.items()}, num_heads=2, backend="reference")
+    full = kda_decode(**jax.tree.map(jnp.copy, a), num_heads=2, backend="reference")
     for backend in ("reference", "interpret"):
-        o, conv, S = kda_decode(**{n: x.copy() for n, x in a.items()}, live=live, num_heads=2,
+        o, conv, S = kda_decode(**jax.tree.map(jnp.copy, a), live=live, num_heads=2,
                                 backend=backend)
         np.testing.assert_array_equal(o[1], 0)
         np.testing.assert_array_equal(conv[1], a["conv_state"][1])
@@ -193,10 +193,11 @@ def test_decode_reference_matches_recurrent_step():
     """The decode reference itself against an independent composition of reference.py pieces."""
     B, H, K = 2, 2, 32
     a = decode_inputs(B, H, K, F32, seed=5)
-    o, conv, S = kda_decode(**{n: x.copy() for n, x in a.items()}, num_heads=H, lower_bound=-5.0,
+    o, conv, S = kda_decode(**jax.tree.map(jnp.copy, a), num_heads=H, lower_bound=-5.0,
                             backend="reference")
-    xx = jnp.concatenate([a["conv_state"], a["qkv"][:, None]], 1)
-    y = jax.nn.silu(sum(xx[:, i] * a["conv_w"][:, i] for i in range(4)))
+    qkv, conv_w = jnp.concatenate(a["qkv"], -1), jnp.concatenate(a["conv_w"])
+    xx = jnp.concatenate([a["conv_state"], qkv[:, None]], 1)
+    y = jax.nn.silu(sum(xx[:, i] * conv_w[:, i] for i in range(4)))
     q, k, v = (t.reshape(B, 1, H, K) for t in jnp.split(y, 3, -1))
     g = kda_gate(a["f"].reshape(B, 1, H, K), a["A_log"], a["dt_bias"], lower_bound=-5.0)
     ro, rS = kda_recurrent(q, k, v, g, jax.nn.sigmoid(a["b"])[:, None], initial_state=a["state"],
@@ -206,7 +207,7 @@ def test_decode_reference_matches_recurrent_step():
     ro = ro * jax.nn.sigmoid(a["gate"].reshape(B, H, K))
     assert rel(o, ro.reshape(B, H * K)) < 1e-4 and rel(S, rS) < 1e-5
     np.testing.assert_array_equal(conv[:, :2], a["conv_state"][:, 1:])
-    np.testing.assert_array_equal(conv[:, 2], a["qkv"])
+    np.testing.assert_array_equal(conv[:, 2], qkv)
 
 
 def test_verify_vs_reference():
@@ -249,7 +250,7 @@ def test_kda_kernels_lower_for_gpu(platform):
             q, k, v, g, b, initial_state=s, use_qk_l2norm=True, config=cfg), *args,
             platform=platform)
     P = H * K
-    dec = [sd((4, 3 * P), jnp.bfloat16), sd((4, 3, 3 * P), jnp.bfloat16), sd((3 * P, 4), F32),
+    dec = [(sd((4, P), jnp.bfloat16),) * 3, sd((4, 3, 3 * P), jnp.bfloat16), (sd((P, 4), F32),) * 3,
            sd((4, P), jnp.bfloat16), sd((H,), F32), sd((P,), F32), sd((4, H), jnp.bfloat16),
            sd((4, P), jnp.bfloat16), sd((K,), F32), sd((4, H, K, K), F32)]
     lower_for_gpu(lambda *a: kda_decode_pallas(*a, num_heads=H, lower_bound=-5.0), *dec,
