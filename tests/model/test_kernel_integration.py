@@ -1,6 +1,7 @@
 """The model's layers on the Pallas kernels (interpret mode) equal their reference paths."""
 import jax
 import jax.numpy as jnp
+import flax.linen as nn
 import numpy as np
 
 import kimik3
@@ -109,6 +110,30 @@ def test_decode_moe_takes_its_pairs_unsorted(monkeypatch):
     np.testing.assert_array_equal(np.asarray(pairs), np.asarray(sorted_path))
     ref = layer.apply(params, x, backend="reference")
     assert jnp.max(jnp.abs(pairs - ref)) / jnp.max(jnp.abs(ref)) < 1e-5
+
+
+def test_unsorted_pairs_of_a_ranks_experts():
+    """Expert parallelism's slice of the experts (ids first .. first + E_local - 1): on the
+    unsorted pair path the pairs of experts held elsewhere are zero rows, and the rank's partial
+    sum equals the reference's (and the two ranks' sum the whole)."""
+    from kimik3.layers.moe import MoE, experts_combine, route
+
+    cfg = kimik3.Config.preset("tiny")
+    layer = MoE(cfg)
+    x = jax.random.normal(jax.random.key(6), (4, 1, cfg.hidden_size))
+    p = nn.unbox(layer.init(jax.random.key(7), x))["params"]
+    u = jax.random.normal(jax.random.key(8), (4, cfg.routed_expert_hidden_size))
+    idx, w = route(x[:, 0] @ p["gate"], p["e_score_correction_bias"], cfg, "reference")
+    half = cfg.num_experts // 2
+    parts = []
+    for first in (0, half):
+        mine = jax.tree.map(lambda a: a[first:first + half], p["experts"])
+        got = experts_combine(cfg, mine, u, idx, w, "interpret", first)
+        want = experts_combine(cfg, mine, u, idx, w, "reference", first)
+        assert jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)) < 1e-5
+        parts.append(got)
+    whole = experts_combine(cfg, p["experts"], u, idx, w, "interpret")
+    assert jnp.max(jnp.abs(parts[0] + parts[1] - whole)) / jnp.max(jnp.abs(whole)) < 1e-5
 
 
 def test_bf16_router_rides_the_input_projections_launch(monkeypatch):
