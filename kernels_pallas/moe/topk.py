@@ -7,9 +7,7 @@ experts padded to a power of two with -inf) and picks k times: the row's largest
 lowest index among equals (`jax.lax.top_k`'s order for ties), which it masks out: two reductions
 a pick; the scores are read at the k ids after the loop, one gather. Ids and scores are those of
 `top_k` plus `take_along_axis` exactly: no arithmetic touches a score, and the only sum is the
-fp32 add of the bias that the reference does too. Optionally the kernel also makes the scores
-the layer's combine weights (renormalised over the k, times the routed scaling factor), which
-were XLA launches of their own; that sum of k values may round differently from XLA's.
+fp32 add of the bias that the reference does too.
 
 One row a program: a block of 16 rows (16 x 1024 fp32 choices and scores in 128 threads'
 registers) spilled, and made a 16-row decode step's routing many times slower than XLA's sort.
@@ -31,22 +29,13 @@ MAX_ROWS = 64
 NUM_WARPS = 4  # the fastest of 1-8 on the GPU (`python -m benchmarks moe --sections router`)
 
 
-def combine(w, renormalize: bool, scale: float):
-    """The chosen experts' scores w [..., k] as combine weights: renormalised over the k (if
-    asked), times `scale`."""
-    if renormalize:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return w * scale if scale != 1.0 else w
-
-
-def top_k_scores_reference(scores, bias, k: int, renormalize: bool = False, scale: float = 1.0):
-    """(ids [N, k] int32 of the k largest scores + bias, in top_k's order; scores [N, k] at them,
-    `combine`d)."""
+def top_k_scores_reference(scores, bias, k: int):
+    """(ids [N, k] int32 of the k largest scores + bias, in top_k's order; scores [N, k] at them)."""
     _, idx = jax.lax.top_k(scores + bias, k)
-    return idx, combine(jnp.take_along_axis(scores, idx, axis=-1), renormalize, scale)
+    return idx, jnp.take_along_axis(scores, idx, axis=-1)
 
 
-def _kernel(s_ref, b_ref, idx_ref, w_ref, *, e, e_pad, k, k_pad, renormalize, scale):
+def _kernel(s_ref, b_ref, idx_ref, w_ref, *, e, e_pad, k, k_pad):
     r0 = pl.program_id(0)
     col = jnp.arange(e_pad, dtype=jnp.int32)
     col_ok = col < e
@@ -61,17 +50,15 @@ def _kernel(s_ref, b_ref, idx_ref, w_ref, *, e, e_pad, k, k_pad, renormalize, sc
         choice = jnp.where(col == pick, -jnp.inf, choice)
     # slots past k hold id 0, a valid column; their values are not stored
     plgpu.store(idx_ref.at[r0, pl.ds(0, k_pad)], ids, mask=slot < k)
-    w = jnp.where(slot < k, s_ref[r0, ids], 0.0)
-    plgpu.store(w_ref.at[r0, pl.ds(0, k_pad)], combine(w, renormalize, scale), mask=slot < k)
+    plgpu.store(w_ref.at[r0, pl.ds(0, k_pad)], s_ref[r0, ids], mask=slot < k)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "renormalize", "scale", "num_warps", "interpret"))
-def _top_k_scores_pallas(scores, bias, *, k, renormalize, scale, num_warps, interpret=False):
+@functools.partial(jax.jit, static_argnames=("k", "num_warps", "interpret"))
+def _top_k_scores_pallas(scores, bias, *, k, num_warps, interpret=False):
     n, e = scores.shape
     e_pad, k_pad = pl.next_power_of_2(e), pl.next_power_of_2(k)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
-    kernel = functools.partial(_kernel, e=e, e_pad=e_pad, k=k, k_pad=k_pad,
-                               renormalize=renormalize, scale=scale)
+    kernel = functools.partial(_kernel, e=e, e_pad=e_pad, k=k, k_pad=k_pad)
     outs = [jax.ShapeDtypeStruct((n, k), jnp.int32), jax.ShapeDtypeStruct((n, k), F32)]
     return tuple(pl.pallas_call(
         kernel, grid=(n,), in_specs=[full(scores.shape), full(bias.shape)],
@@ -81,20 +68,16 @@ def _top_k_scores_pallas(scores, bias, *, k, renormalize, scale, num_warps, inte
     )(scores, bias))
 
 
-def top_k_scores(scores, bias, k: int, *, renormalize: bool = False, scale: float = 1.0,
-                 backend: str | None = None, num_warps: int = NUM_WARPS):
+def top_k_scores(scores, bias, k: int, *, backend: str | None = None, num_warps: int = NUM_WARPS):
     """The router's choice: scores [N, E] fp32 (the unbiased expert scores), bias [E] fp32 (the
     correction bias, which only selects) -> (ids [N, k] int32 of the k largest scores + bias, in
-    `jax.lax.top_k`'s order, ties to the lower id; the scores at them [N, k], renormalised over
-    the k if `renormalize`, times `scale`). Ids and plain scores are bitwise the same on every
-    backend; renormalised ones may differ in the last bit. The kernel takes up to MAX_ROWS rows;
-    more go to XLA's top_k."""
+    `jax.lax.top_k`'s order, ties to the lower id; the scores at them [N, k]). Bitwise the same on
+    every backend. The kernel takes up to MAX_ROWS rows; more go to XLA's top_k."""
     backend = resolve_backend(backend)
     if scores.ndim != 2 or bias.shape != scores.shape[-1:] or not 0 < k <= scores.shape[-1]:
         raise ValueError(f"top_k_scores takes scores [N, E], bias [E] and 0 < k <= E; got "
                          f"{scores.shape}, {bias.shape}, k={k}")
     if backend == "reference" or not 0 < scores.shape[0] <= MAX_ROWS:
-        return top_k_scores_reference(scores, bias, k, renormalize, scale)
-    return _top_k_scores_pallas(scores.astype(F32), bias.astype(F32), k=k,
-                                renormalize=bool(renormalize), scale=float(scale),
-                                num_warps=num_warps, interpret=backend == "interpret")
+        return top_k_scores_reference(scores, bias, k)
+    return _top_k_scores_pallas(scores.astype(F32), bias.astype(F32), k=k, num_warps=num_warps,
+                                interpret=backend == "interpret")

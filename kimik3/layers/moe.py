@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from kernels_pallas import resolve_backend
 from kernels_pallas.moe import (MXFP4PairedWeight, MXFP4Weight, gather_rows, moe_gmm,
                                 moe_gmm_glu, mxfp4)
-from kernels_pallas.moe.topk import combine, top_k_scores
+from kernels_pallas.moe.topk import top_k_scores
 from sharding.rules import MoEAxes, moe_axes, param_specs
 from .common import F32, INIT_STD, Weight, declared_axes, glu, project, rms_normalize
 
@@ -148,14 +148,13 @@ def route(logits, bias, cfg, backend=None):
 
     The correction bias only decides which experts are selected; the weights come from the
     unbiased sigmoid scores, renormalised over the chosen k, times routed_scaling_factor. Without
-    expert groups the choice and the weights are one kernel on the Pallas backend (`top_k_scores`:
-    the same ids bitwise, the weights to the rounding of their sum), where XLA sorts.
+    expert groups the choice is one kernel on the Pallas backend (`top_k_scores`: the same ids
+    and scores bitwise), where XLA sorts.
     """
     scores = jax.nn.sigmoid(logits.astype(F32))
-    renormalize = cfg.moe_renormalize and cfg.num_experts_per_token > 1
     if cfg.num_expert_group == 1:
-        return top_k_scores(scores, bias.astype(F32), cfg.num_experts_per_token,
-                            renormalize=renormalize, scale=cfg.routed_scaling_factor, backend=backend)
+        idx, w = top_k_scores(scores, bias.astype(F32), cfg.num_experts_per_token, backend=backend)
+        return idx, _combine_weights(w, cfg)
     # group-limited selection (DeepSeek V3): the best groups by their top-2 sum
     choice = scores + bias.astype(F32)
     N, E = choice.shape
@@ -165,8 +164,15 @@ def route(logits, bias, cfg, backend=None):
     group_mask = jnp.zeros_like(group_score, bool).at[jnp.arange(N)[:, None], keep].set(True)
     choice = jnp.where(jnp.repeat(group_mask, E // cfg.num_expert_group, axis=1), choice, -jnp.inf)
     _, idx = jax.lax.top_k(choice, cfg.num_experts_per_token)
-    return idx, combine(jnp.take_along_axis(scores, idx, axis=-1), renormalize,
-                        cfg.routed_scaling_factor)
+    return idx, _combine_weights(jnp.take_along_axis(scores, idx, axis=-1), cfg)
+
+
+def _combine_weights(w, cfg):
+    """The chosen experts' scores w [N, k], renormalised over the k if the config says so, times
+    routed_scaling_factor."""
+    if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return w * cfg.routed_scaling_factor
 
 
 # Up to this many (token, expert) pairs their order by expert is counted (one fused compare and
