@@ -70,13 +70,22 @@ def sample(logits, keys, temperature=0.0, top_k=0, top_p=1.0):
     """logits [B, V] fp32, keys [B] PRNG keys -> tokens [B] int32.
 
     temperature <= 0 is greedy for that row; top_k <= 0 and top_p >= 1 disable those filters.
+    When every row is greedy the vocabulary is not sorted (a `lax.cond`: on the GPU the sort of
+    a step's logits cost several times the branch), with the same tokens either way.
     """
-    B, V = logits.shape
+    B = logits.shape[0]
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
     top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (B,))
     top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (B,))
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(temperature > 0),
+                        lambda: _draw(logits, keys, temperature, top_k, top_p, greedy),
+                        lambda: greedy)
 
+
+def _draw(logits, keys, temperature, top_k, top_p, greedy):
+    """`sample` where some row has temperature > 0 (the greedy rows keep `greedy`)."""
+    V = logits.shape[-1]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
     # top-k: keep logits >= the k-th largest

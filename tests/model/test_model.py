@@ -163,6 +163,20 @@ def test_sampling_is_seeded_and_greedy_is_deterministic(tiny_models):
     assert kimik3.generate(model, prompts, **kw) == kimik3.generate(model, prompts, **kw)
 
 
+def test_greedy_batches_skip_the_sort():
+    """All-greedy rows take the branch without the vocabulary sort; a batch mixing greedy and
+    sampled rows takes the sorting one, its greedy rows still the argmax."""
+    logits = jax.random.normal(jax.random.key(1), (3, 50))
+    keys = jax.random.split(jax.random.key(2), 3)
+    jaxpr = jax.make_jaxpr(kimik3.sample)(logits, keys, jnp.zeros(3), 0, 1.0)
+    cond = next(e for e in jaxpr.eqns if e.primitive.name == "cond")
+    sorts = ["sort" in str(b.jaxpr) for b in cond.params["branches"]]
+    assert sorts == [False, True]  # branch 0: every row greedy
+    np.testing.assert_array_equal(kimik3.sample(logits, keys, 0.0), jnp.argmax(logits, -1))
+    mixed = kimik3.sample(logits, keys, jnp.array([0.0, 1.0, 0.0]))
+    np.testing.assert_array_equal(mixed[::2], jnp.argmax(logits, -1)[::2])
+
+
 def test_sample_filters():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 2000))
     keys = jax.random.split(jax.random.key(0), 2000)
