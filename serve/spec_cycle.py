@@ -137,12 +137,13 @@ class SpeculativeCycle:
         return SpecCall(rows, k, self.decode_steps, outs, carry, x)
 
     def _spec_chainable(self, call) -> bool:
-        """Whether the call after `call` can be dispatched before the host reads `call`: the
-        controller keeps the depth, and QueuedDecode._chainable's conditions hold for calls
-        feeding up to steps * (depth + 1) tokens a row. A depth it chooses instead is kept for
-        the step that runs it."""
+        """Whether the call after `call` can be dispatched before the host reads `call`: its depth
+        is settled (timed, not due a re-timing: a depth being tried waits for its timing), the
+        controller keeps it, and QueuedDecode._chainable's conditions hold for calls feeding up
+        to steps * (depth + 1) tokens a row. A depth it chooses instead is kept for the step
+        that runs it."""
         rows = [r for r in call.rows if r.finished is None]
-        if not rows:
+        if not rows or not self.spec.settled(len(rows), call.depth):
             return False
         self._spec_next = self.spec.choose([r.id for r in rows])
         if self._spec_next == call.depth and self._chainable(call, call.steps * (call.depth + 1)):

@@ -19,7 +19,9 @@ a host hiccup, a program's first run), and a single slow sample kept in an avera
 look slower than it is until it was re-timed. Each cycle runs the best estimate; a timed depth
 not chosen is re-timed, so that the estimates follow the load, once `explore_every` cycles times
 its cycle over a plain token's have passed (explore_every alone while it has one timing): each
-losing depth costs about 1/explore_every of plain decoding's time, however slow.
+losing depth costs about 1/explore_every of plain decoding's time, however slow. A depth being
+tried or re-timed runs one device call at a time (`settled`), so its timing is in before the
+next call is chosen.
 """
 from __future__ import annotations
 
@@ -103,6 +105,18 @@ class Speculator:
                      len(keys), {k: self.cycle_s.get((cls, k)) for k in self.depths})
         self.depth = choice
         return choice
+
+    def settled(self, rows: int, depth: int) -> bool:
+        """Whether depth's cycle at this many rows has a real timing that is not due a re-timing
+        (with a fixed depth: always). A call at a depth still to be timed waits for its timing
+        before another call is queued behind it: queued at once, a depth being tried (a slow one,
+        too) ran two calls of cycles before the controller could drop it."""
+        if len(self.depths) == 1:
+            return True  # a fixed depth: no choice waits on a timing
+        cls = _size_class(rows)
+        if (cls, depth) not in self.cycle_s or (cls, depth) in self.undrafted_only:
+            return False
+        return (cls, 0) not in self.cycle_s or not self._due(cls, depth)
 
     def _due(self, cls: int, k: int) -> bool:
         """Whether timed depth k is due a re-timing: explore_every cycles times its cost in plain

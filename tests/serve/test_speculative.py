@@ -223,6 +223,50 @@ def test_a_cycle_time_is_the_least_of_its_recent_timings():
                                        "depth 2": {"seconds": 0.010, "tokens": 22}}
 
 
+def test_a_depth_being_timed_is_settled_only_once_timed():
+    """A call at a depth not yet timed (or due a re-timing, or timed by one-token calls alone)
+    has no call queued behind it: the engine waits for its timing before choosing again."""
+    s = Speculator("ngram", "auto", explore_every=10)
+    for _ in range(30):
+        s.record("a", 10, 7)
+    s.timed(16, 0, 0.0005)
+    assert s.choose(["a"] * 16) == 2 and not s.settled(16, 2)
+    s.timed(16, 2, 0.0007)
+    assert s.settled(16, 2) and not s.settled(8, 2)  # per size class
+    s.timed_undrafted(16, 2, 0.0006)
+    assert not s.settled(16, 4)  # one-token calls stand in for its cycle: still to be timed
+    s.cycles += 100
+    assert not s.settled(16, 2)  # due a re-timing
+    assert Speculator("ngram", 3).settled(4, 3)  # a fixed depth: no choice waits on a timing
+
+
+def test_engine_queues_no_call_behind_a_depth_it_is_timing(model, monkeypatch):
+    """A depth's first device call is collected before the next is dispatched (it used to queue
+    a second call of the same untimed depth behind it); once timed, calls queue ahead. The
+    tokens stay plain decoding's."""
+    from serve.spec_cycle import SpecCall
+
+    prompts = [[1] + [5, 6, 7, 8] * 6, [1] + [9, 10, 11] * 8]
+    kw = dict(max_batch=2, max_seq_len=128, page_size=8, decode_steps=2, prefix_cache=False)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_tokens=())
+    want = Engine(model, **kw).generate(prompts, params=[params] * 2)
+    eng = Engine(model, **kw, speculative="ngram")  # auto, its choice pinned at depth 2
+    monkeypatch.setattr(Speculator, "choose", lambda self, keys: setattr(self, "depth", 2) or 2)
+    queued_unsettled = []
+    real = Engine._spec_chain
+
+    def chain(self, call):
+        queued_unsettled.append(not self.spec.settled(len(call.rows), call.depth))
+        return real(self, call)
+
+    monkeypatch.setattr(Engine, "_spec_chain", chain)
+    reqs = [eng.submit(p, params) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    assert [list(r.output) for r in reqs] == want
+    assert queued_unsettled and not any(queued_unsettled)  # calls were queued, none unsettled
+
+
 def test_depth_controller_turns_itself_off_when_nothing_is_drafted():
     # a drafter that never finds a draft (random text): every depth-k cycle commits one token at
     # the cost of a one-step call, which is what every depth costs then: one timed such cycle
