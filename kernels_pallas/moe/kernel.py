@@ -144,9 +144,11 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
     if sk > 1:
         nb, ks = nb // sk, nb % sk
     t = pl.program_id(1)
-    grp = meta_ref[0, t]
-    r0 = meta_ref[1, t]
-    r1 = meta_ref[2, t]
+    if len(meta_ref.shape) == 1:  # each row its group's (`moe_gmm(row_groups=)`): tile t is row t
+        grp, r0 = meta_ref[t], t
+        r1 = t + 1
+    else:
+        grp, r0, r1 = meta_ref[0, t], meta_ref[1, t], meta_ref[2, t]
     n_inner = cfg.n_per_program
     nb0 = nb * (bn * n_inner)  # this program's first column; column block j starts at nb0 + j bn
     n_k = pl.cdiv(k, bk)
@@ -401,7 +403,8 @@ def _gmm_kernel(meta_ref, x_ref, *refs, cfg: GmmConfig, k: int, n: int, g_count:
 
 def gmm_call(meta, x_in, flat_w, *, cfg: GmmConfig, k: int, n: int, g: int, quant: bool, n_w: int,
              epilogue, cdt, precision, out_dtype, interpret: bool, layout: str):
-    """The kernel's pallas_call: meta the tile plan [3, T], x_in x [M, K] (or a `SplitX`'s data),
+    """The kernel's pallas_call: meta the tile plan [3, T] (or each row's group [M]: a tile a
+    row), x_in x [M, K] (or a `SplitX`'s data),
     flat_w the n_w weights (MXFP4: packed, scales each) -> [M, N] `out_dtype` (split_k > 1:
     [M, split_k * N], the K splits' partial sums side by side)."""
     m = x_in.shape[-2]
@@ -411,7 +414,7 @@ def gmm_call(meta, x_in, flat_w, *, cfg: GmmConfig, k: int, n: int, g: int, quan
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n * cfg.split_k), out_dtype),
-        grid=(pl.cdiv(n, cfg.block_n * cfg.n_per_program) * cfg.split_k, meta.shape[1]),
+        grid=(pl.cdiv(n, cfg.block_n * cfg.n_per_program) * cfg.split_k, meta.shape[-1]),
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="moe_gmm",

@@ -133,14 +133,6 @@ def _resolve_config(x, ws, config, interpret):
                           layout=ws[0].layout if quant else "k3")
 
 
-def row_tiles(row_groups):
-    """The tile plan [3, M] of rows in any order, a tile per row: (its group, i, i + 1). A group
-    of G writes the row as zeros, as the rows past sum(group_sizes) are."""
-    m = row_groups.shape[0]
-    at = jnp.arange(m, dtype=jnp.int32)
-    return jnp.stack([row_groups.astype(jnp.int32), at, at + 1])
-
-
 def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, precision,
                 row_groups=None):
     g, k, n = _check(x, ws, group_sizes, row_groups)
@@ -178,8 +170,8 @@ def _gmm_pallas(x, ws, group_sizes, *, epilogue, out_dtype, config, interpret, p
     if cfg.split_k > 1 and len(ws) > 1:
         raise ValueError("split_k sums partial products after the kernel, so the fused gate/up "
                          "(its activation in the epilogue) cannot take it: use fuse=False")
-    if row_groups is not None:
-        meta = row_tiles(row_groups)
+    if row_groups is not None:  # the kernel takes tile t as row t of group row_groups[t]
+        meta = row_groups.astype(jnp.int32)
     else:
         meta = tile_plan(group_sizes, m, cfg.block_m, interpret=interpret,
                          tail=cfg.block_m_small if cfg.fuse_tail else 0)  # one launch

@@ -224,8 +224,10 @@ def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0,
     w = {n: _grouped_weight(experts, n, dt, cfg.mxfp4_layout) for n in ("w1", "w3", "w2")}
     E_local = w["w1"].shape[0]
     N, k = idx.shape
-    local = idx.reshape(-1) - first
-    key = jnp.where((local >= 0) & (local < E_local), local, E_local)  # held elsewhere: sorted last
+    key = idx.reshape(-1)  # every expert held here: the ids as they are (no launch at decode)
+    if not (isinstance(first, int) and first == 0 and E_local == cfg.num_experts):
+        local = key - first  # held elsewhere: E_local, sorted last (a zero row unsorted)
+        key = jnp.where((local >= 0) & (local < E_local), local, E_local)
     act = "situ" if cfg.hidden_act == "situ" else "swiglu"
     glu_args = dict(activation=act, backend=backend, situ_beta=cfg.situ_beta,
                     situ_linear_beta=cfg.situ_linear_beta, fuse=fuse_glu)

@@ -526,6 +526,13 @@ def test_row_groups_a_tile_per_row_in_any_order():
         moe_gmm(x, w1, sizes, row_groups=groups, backend="interpret")
     with pytest.raises(ValueError, match="row_groups must be"):
         moe_gmm(x, w1, row_groups=groups[:4], backend="interpret")
+    from kernels_pallas.gpu_lowering import lower_for_gpu  # K3's TP8 gate and down, 16 pairs
+    sd = jax.ShapeDtypeStruct
+    for kk, nn in ((3584, 384), (384, 3584)):
+        wq = MXFP4Weight(sd((896, nn, kk // 2), jnp.uint8), sd((896, nn, kk // 32), jnp.uint8))
+        for platform in ("cuda", "rocm"):
+            lower_for_gpu(lambda a, b, c: moe_gmm(a, b, row_groups=c, backend="pallas"),
+                          sd((16, kk), jnp.bfloat16), wq, sd((16,), jnp.int32), platform=platform)
 
 
 def test_benchmark_kernels_lower_for_h200():
