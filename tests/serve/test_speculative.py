@@ -244,8 +244,6 @@ def test_engine_queues_no_call_behind_a_depth_it_is_timing(model, monkeypatch):
     """A depth's first device call is collected before the next is dispatched (it used to queue
     a second call of the same untimed depth behind it); once timed, calls queue ahead. The
     tokens stay plain decoding's."""
-    from serve.spec_cycle import SpecCall
-
     prompts = [[1] + [5, 6, 7, 8] * 6, [1] + [9, 10, 11] * 8]
     kw = dict(max_batch=2, max_seq_len=128, page_size=8, decode_steps=2, prefix_cache=False)
     params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_tokens=())
