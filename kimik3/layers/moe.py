@@ -1,7 +1,8 @@
 """Dense MLP and the (latent) MoE: sigmoid router with a selection-only correction bias, top-k,
 renormalise, routed scaling; sort tokens by expert and run grouped matmuls (no expert computes
-tokens it was not chosen for; a decode step's few pairs go unsorted, a tile each); weighted combine; K3's latent path (down, experts in latent space,
-RMSNorm, up) and the shared experts. Math: reference/k3_checkpoint.md section 3.
+tokens it was not chosen for; a decode step's few pairs go unsorted, a tile each); weighted
+combine; K3's latent path (down, experts in latent space, RMSNorm, up) and the shared experts.
+Math: reference/k3_checkpoint.md section 3.
 
 The math is written once, as pure functions of a parameter dict (`moe_apply`, `experts_combine`,
 `mlp_apply`); the Linen modules only declare the weights and call them. Under a mesh the same
