@@ -229,28 +229,27 @@ def experts_combine(cfg, experts: dict, u, idx, weights, backend=None, first=0,
     if not (isinstance(first, int) and first == 0 and E_local == cfg.num_experts):
         local = key - first  # held elsewhere: E_local, sorted last (a zero row unsorted)
         key = jnp.where((local >= 0) & (local < E_local), local, E_local)
-    act = "situ" if cfg.hidden_act == "situ" else "swiglu"
-    glu_args = dict(activation=act, backend=backend, situ_beta=cfg.situ_beta,
-                    situ_linear_beta=cfg.situ_linear_beta, fuse=fuse_glu)
-    if resolve_backend(backend) != "reference" and N * k <= PAIR_ORDER_PAIRS:
-        # group E_local: a zero row, for the pairs of experts held elsewhere
-        xs = gather_rows(u, jnp.arange(N * k, dtype=jnp.int32) // k, w["w1"], backend=backend,
-                         fused_glu=fuse_glu)
-        h = moe_gmm_glu(xs, w["w1"], w["w3"], row_groups=key, **glu_args)
-        y = moe_gmm(h.astype(dt), w["w2"], row_groups=key, backend=backend)
-        return jnp.sum(weights.astype(F32)[..., None] * y.reshape(N, k, -1).astype(F32), axis=1)
-    order, rank = expert_order(key)
-    group_sizes = jnp.bincount(key, length=E_local + 1)[:E_local].astype(jnp.int32)
-    rows = order[:N * min(k, E_local)]  # a token's k experts are distinct: its held pairs fit
-    # x split (where the kernel wants it) on the N tokens, then the N * k rows gathered
+    pairs = resolve_backend(backend) != "reference" and N * k <= PAIR_ORDER_PAIRS
+    if pairs:  # in pair order, a row tile each (group E_local: a zero row, a pair held elsewhere)
+        rows, plan = jnp.arange(N * k, dtype=jnp.int32), dict(row_groups=key)
+    else:
+        order, rank = expert_order(key)
+        rows = order[:N * min(k, E_local)]  # a token's k experts are distinct: its held pairs fit
+        plan = dict(group_sizes=jnp.bincount(key, length=E_local + 1)[:E_local].astype(jnp.int32))
+    # x split (where the kernel wants it) on the N tokens, then the rows gathered
     xs = gather_rows(u, rows // k, w["w1"], backend=backend, fused_glu=fuse_glu)
-    h = moe_gmm_glu(xs, w["w1"], w["w3"], group_sizes, **glu_args)
-    y = moe_gmm(h.astype(dt), w["w2"], group_sizes, backend=backend)  # rows past the sum are zero
-    # Un-permute as a gather through the inverse of `rows` (pairs without a row read zeros), then
-    # the weighted k-sum: the gather fuses into the sum, where a scatter of y into pair order
-    # was a kernel of its own.
-    pos = jnp.where(rank < rows.shape[0], rank, rows.shape[0])
-    yk = jnp.take(y, pos.reshape(N, k), axis=0, mode="fill", fill_value=0)  # [N, k, D]
+    act = "situ" if cfg.hidden_act == "situ" else "swiglu"
+    h = moe_gmm_glu(xs, w["w1"], w["w3"], **plan, activation=act, backend=backend,
+                    situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, fuse=fuse_glu)
+    y = moe_gmm(h.astype(dt), w["w2"], **plan, backend=backend)  # rows past the sum are zero
+    if pairs:
+        yk = y.reshape(N, k, -1)
+    else:
+        # Un-permute as a gather through the inverse of `rows` (pairs without a row read zeros),
+        # then the weighted k-sum: the gather fuses into the sum, where a scatter of y into pair
+        # order was a kernel of its own.
+        pos = jnp.where(rank < rows.shape[0], rank, rows.shape[0])
+        yk = jnp.take(y, pos.reshape(N, k), axis=0, mode="fill", fill_value=0)  # [N, k, D]
     return jnp.sum(weights.astype(F32)[..., None] * yk.astype(F32), axis=1)
 
 
