@@ -23,6 +23,7 @@ ORDER = ["kda", "mla", "mla-prefill", "moe", "attnres", "dense", "engine", "shar
 TIME_UNITS = ("ns", "us", "ms", "s")
 META = ("date", "device", "commit", "command")  # where a row comes from
 COLUMNS = ["shape", "ours", "peer", "ratio", "% of limit"]
+TOOL = "python -m benchmarks"  # the commands' common prefix, said once above the list
 
 PREAMBLE = """# Benchmarks
 
@@ -117,7 +118,8 @@ def render(runs: list[dict]) -> str:
             out.append(f"\n{shared_note}")
         out.append("")
     out.append("## Commands\n")
-    out += [f"({i + 1}) `{c}`  " for i, c in enumerate(commands)]
+    out.append(f"From the repository root; `{TOOL}` is left out before a benchmark's name.\n")
+    out += [f"({i + 1}) `{c.removeprefix(TOOL + ' ')}`  " for i, c in enumerate(commands)]
     return "\n".join(out).rstrip() + "\n"
 
 

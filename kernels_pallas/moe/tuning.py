@@ -4,7 +4,11 @@ shape class, and the regime rules for every shape no row covers.
 A shape is classed (`shape_class`) by its regime, rows per group: "sparse" (< 0.5: most experts
 that got rows got one, a decode step of a few tokens, where the programs are few), "decode" (< 24:
 streaming the weights of the experts that got rows), "middle" (< 96), "prefill" (>= 96:
-matmul-bound); its weights ("dense" bf16 / fp32, or "mxfp4") and their byte layout ("k3" |
+matmul-bound). Small experts (K in at most 4 blocks of 128 and N < 256, the tiny models) stay in
+"decode" up to the prefill regime: re-reading an expert's few weights for each 16-row tile costs
+nothing, the middle rule's blocks made the tiny-code model's verify passes (32 to 48 rows an
+expert) many times slower than its decode steps on the GPU, and a verify pass on the decode
+step's blocks computes each row's product as that step does; its weights ("dense" bf16 / fp32, or "mxfp4") and their byte layout ("k3" |
 "paired"); the activation dtype (the inline PTX decodes for bf16 activations only); fused gate/up or not; K (a
 multiple of 256; else at most `_X_RESIDENT_MAX_K_BLOCKS` blocks of 128; else longer) and N
 (>= 256 or narrower). `TUNED` rows are matched in order, "*" matching anything; the first row
@@ -102,7 +106,11 @@ TUNED: tuple[tuple[str, ShapeClass, GmmConfig], ...] = (
 
 def _regime_rule(regime: str, glu_: bool) -> GmmConfig:
     """The blocks where no `TUNED` row matches: the middle regime, MXFP4 prefill, the fused
-    gate/up's and narrow dense prefill (MXFP4: the portable "interleave"). Not measured as such."""
+    gate/up's and narrow dense prefill (MXFP4: the portable "interleave"). Not tuned: of the
+    "split_asm_t" row blocks of 64 and 128 tried at K3's TP8 shapes on the H200, those with K
+    blocks under 256 gave outputs that differed from call to call (as its K blocks of 128 do in
+    the plain K loop at decode), and the K-256 one won a little on gate / up and lost more on down
+    (the sweep is in moe.json's details)."""
     if regime == "middle":
         return _C(64, 128, 64, block_m_small=16, num_warps=4, num_stages=4)
     return _C(128, 128, 64, block_m_small=32, num_warps=8 if glu_ else 4, num_stages=3)
@@ -118,11 +126,14 @@ def shape_class(m: int, g: int, k: int, n: int, quant: bool, glu_: bool = False,
                 x_dtype=jnp.bfloat16, layout: str = "k3") -> ShapeClass:
     """The class of a moe_gmm call of x [m, k] on g groups of [k, n] weights."""
     rows_per_group = m / max(g, 1)
-    regime = ("sparse" if rows_per_group < 0.5 else "decode" if rows_per_group < 24 else
+    k_cls, n_cls = _k_class(k), "n256" if n >= 256 else "narrow"
+    small = k_cls == "k128_short" and n_cls == "narrow"
+    regime = ("sparse" if rows_per_group < 0.5 else
+              "decode" if rows_per_group < (96 if small else 24) else
               "middle" if rows_per_group < 96 else "prefill")
     return ShapeClass(regime, "mxfp4" if quant else "dense", layout if quant else "k3",
                       "bf16" if jnp.dtype(x_dtype) == jnp.bfloat16 else "other", bool(glu_),
-                      _k_class(k), "n256" if n >= 256 else "narrow")
+                      k_cls, n_cls)
 
 
 def _matches(pattern: ShapeClass, cls: ShapeClass) -> bool:

@@ -420,6 +420,16 @@ def test_default_config_by_platform():
     c = default_config(50 * G, G, 3000, 40, False)  # middle; K 3000 (no multiple of 64), N 40
     assert (c.block_m, c.block_m_small, c.block_n, c.block_k) == (64, 16, 64, 32)
     assert default_config(16, 8, 256, 40, False, True).block_n == 32      # narrow N, fused GLU
+    # small experts (the tiny models' K 96 / N 128): the decode blocks up to the prefill regime,
+    # so a verify pass runs its decode step's config; K3's shapes keep the middle rule
+    for plat in ("cuda", "rocm"):
+        for k, n in ((96, 128), (128, 96)):
+            want = default_config(16 * 16, 16, k, n, True, platform=plat)
+            assert shape_class(50 * 16, 16, k, n, True).regime == "decode"
+            assert default_config(50 * 16, 16, k, n, True, platform=plat) == want
+            assert default_config(100 * 16, 16, k, n, True, platform=plat).block_m == 128
+    for k, n in ((384, 3584), (3584, 384)):
+        assert shape_class(50 * G, G, k, n, True).regime == "middle"
     # sparse decode (under half a row an expert), CUDA, paired: a TP8 rank's gate / up at half
     # width, K split where the programs are few (1 token: 16 rows x 6 column blocks = 96), and
     # its down at two column blocks a program
