@@ -4,17 +4,21 @@ shape class, and the regime rules for every shape no row covers.
 A shape is classed (`shape_class`) by its regime, rows per group: "sparse" (< 0.5: most experts
 that got rows got one, a decode step of a few tokens, where the programs are few), "decode" (< 24:
 streaming the weights of the experts that got rows), "middle" (< 96), "prefill" (>= 96:
-matmul-bound). Small experts (K in at most 4 blocks of 128 and N < 256, the tiny models) stay in
-"decode" up to the prefill regime: re-reading an expert's few weights for each 16-row tile costs
-nothing, the middle rule's blocks made the tiny-code model's verify passes (32 to 48 rows an
-expert) many times slower than its decode steps on the GPU, and a verify pass on the decode
-step's blocks computes each row's product as that step does; its weights ("dense" bf16 / fp32, or "mxfp4") and their byte layout ("k3" |
-"paired"); the activation dtype (the inline PTX decodes for bf16 activations only); fused gate/up or not; K (a
-multiple of 256; else at most `_X_RESIDENT_MAX_K_BLOCKS` blocks of 128; else longer) and N
-(>= 256 or narrower). `TUNED` rows are matched in order, "*" matching anything; the first row
-whose platform and class match wins, else `_regime_rule`. The rows were chosen on the GPU at K3's
-shapes (`python -m benchmarks moe`; figures in BENCHMARKS.md) except where a comment says they
-were not measured.
+matmul-bound); its weights ("dense" bf16 / fp32, or "mxfp4") and their byte layout ("k3" |
+"paired"); the activation dtype (the inline PTX decodes for bf16 activations only); fused
+gate/up or not; K (a multiple of 256; else at most `_X_RESIDENT_MAX_K_BLOCKS` blocks of 128;
+else longer) and N (>= 256 or narrower).
+
+Small experts (K in at most 4 blocks of 128 and N < 256: the tiny models) stay in "decode" up
+to the prefill regime. Re-reading an expert's few weights for each 16-row tile costs nothing;
+the middle rule's blocks made the tiny-code model's verify passes (32 to 48 rows an expert)
+many times slower than its decode steps on the GPU; and on the decode step's blocks a verify
+pass computes each row's product as that step does.
+
+`TUNED` rows are matched in order, "*" matching anything; the first row whose platform and
+class match wins, else `_regime_rule`. The rows were chosen on the GPU at K3's shapes
+(`python -m benchmarks moe`; figures in BENCHMARKS.md) except where a comment says they were
+not measured.
 
 A row gives the blocks at full width; `_fit` narrows them to the shape: block_n to the next
 power of two covering N (at least 16), halved for the fused gate/up (each program holds two
