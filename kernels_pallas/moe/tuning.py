@@ -111,10 +111,10 @@ TUNED: tuple[tuple[str, ShapeClass, GmmConfig], ...] = (
 def _regime_rule(regime: str, glu_: bool) -> GmmConfig:
     """The blocks where no `TUNED` row matches: the middle regime, MXFP4 prefill, the fused
     gate/up's and narrow dense prefill (MXFP4: the portable "interleave"). Not tuned: of the
-    "split_asm_t" row blocks of 64 and 128 tried at K3's TP8 shapes on the H200, those with K
-    blocks under 256 gave outputs that differed from call to call (as its K blocks of 128 do in
-    the plain K loop at decode), and the K-256 one won a little on gate / up and lost more on down
-    (the sweep is in moe.json's details)."""
+    "split_asm_t" row blocks of 64 and 128 tried at K3's TP8 shapes on the H200, each one with K
+    blocks under 256 gave outputs that differed from call to call at one or more of the shapes
+    (as its K blocks of 128 do in the plain K loop at decode), and the K-256 one won a little on
+    gate / up and lost more on down (the sweep is in moe.json's details)."""
     if regime == "middle":
         return _C(64, 128, 64, block_m_small=16, num_warps=4, num_stages=4)
     return _C(128, 128, 64, block_m_small=32, num_warps=8 if glu_ else 4, num_stages=3)
