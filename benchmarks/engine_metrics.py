@@ -133,12 +133,13 @@ def hlo_names(dump_dir: str, kernels) -> dict:
 
 
 def profile_note(prof) -> str:
-    """The compact line of a row's note: us a token (decode) or ms a prefill, by category."""
+    """The compact line of a row's note: us a token (decode) or ms a prefill, by category (those
+    with no kernels left out)."""
     short = dict(dense_matmul="mm", moe="moe", kda="kda", mla="mla", norms_attnres="norm",
                  routing_sort="sort", other_fusions="other", host_gap="host")
     if "us_per_prefill" in prof:
-        return "ms/prefill " + " ".join(f"{short[k]} {v / 1e3:.1f}" for k, v in prof["us_per_prefill"].items())
-    return "us/token " + " ".join(f"{short[k]} {v:.0f}" for k, v in prof["us_per_token"].items())
+        return "ms/prefill " + " ".join(f"{short[k]} {v / 1e3:.1f}" for k, v in prof["us_per_prefill"].items() if v)
+    return "us/token " + " ".join(f"{short[k]} {v:.0f}" for k, v in prof["us_per_token"].items() if v)
 
 
 def _key(path) -> list[str]:

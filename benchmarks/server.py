@@ -154,8 +154,8 @@ def curve(rec, model, tok, args, smoke, prefix_cache):
     at = report["sweep"]["throughput_at_target_per_gpu"]
     rec.log(f"curve, prefix cache {name}:", [(p["concurrency"], round(p["total_tokens_per_s_per_gpu"], 1),
                                               p["output_tokens_per_s_per_user_p90"]) for p in report["sweep"]["points"]])
-    rec.row(f"Agentic replay, prefix cache {name}: total tokens/s per GPU at {args.target:g} tok/s/user P90",
-            f"{args.sessions} sessions x {args.turns} turns", at if at is not None else float("nan"), "tokens/s",
+    rec.row(f"Agentic replay: total tokens/s per GPU at {args.target:g} tok/s/user P90",
+            f"{args.sessions} sessions x {args.turns} turns, prefix cache {name}", at if at is not None else float("nan"), "tokens/s",
             note=hit_rates(report) + ("" if budget is None else f"; device cache budget {args.cache_memory_gb:g} GB")
             + ("" if at is not None else "; no concurrency met the target"))
 
