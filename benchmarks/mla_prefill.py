@@ -6,7 +6,13 @@ JAX's cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn
 192) on identical inputs; GPU kernel time from the profiler, FLOPs counted causal
 (B x H x T^2 / 2 x 2 x (192 + 128)). First a ragged-length check against the fp32 reference.
 
+A prefill chunk over its cached history (`--history BxTxHxS`: T new queries at positions S - T
+.. S - 1 over all S keys, as the engine's chunked prefill runs it per key chunk) is timed against
+cuDNN over the same T x S scores without a mask (cuDNN's causal mask aligns T != S differently);
+TFLOP/s count each side's own query-key pairs.
+
     python -m benchmarks mla-prefill [--shapes 1x8192x16,1x32768x16] [--config q64w4s2:block_q=64,num_warps=4]
+    python -m benchmarks mla-prefill --history 1x4096x16x32768
     python -m benchmarks mla-prefill --smoke     # CPU: interpret mode, tiny shapes, no peer
 """
 from __future__ import annotations
@@ -27,6 +33,8 @@ SCALE = 1.0 / math.sqrt(192.0)
 def add_args(p):
     p.add_argument("--shapes", type=shapes_arg, default=shapes_arg("1x8192x16,1x32768x16,4x4096x16,1x8192x128"),
                    help="BxTxH")
+    p.add_argument("--history", type=shapes_arg, default=shapes_arg("1x4096x16x32768,1x8192x16x32768"),
+                   help="BxTxHxS: a chunk of T queries after S - T cached positions")
     p.add_argument("--config", action="append", default=[], metavar="NAME:k=v,...",
                    help="block configuration timed beside the default, e.g. "
                         "q128w8s3:block_q=128,num_warps=8,num_stages=3 (repeatable)")
@@ -91,6 +99,36 @@ def time_shape(rec, backend, smoke, B, T, H, configs):
             note=f"{case['default']['tflops']:.0f} TFLOP/s")
 
 
+def time_history(rec, backend, smoke, B, T, H, S):
+    q, _, _ = inputs(B, T, H, 2)
+    _, k, v = inputs(B, S, H, 3)
+    n_new, starts = jnp.full((B,), T, jnp.int32), jnp.full((B,), S - T, jnp.int32)
+    pairs = B * H * (T * (S - T) + T * (T + 1) / 2)
+    fn = jax.jit(lambda q, k, v, n, st: mla_prefill(q, k, v, n, starts=st, key_start=jnp.int32(0),
+                                                     scale=SCALE, backend=backend))
+    o = fn(q, k, v, n_new, starts)
+    m = min(64, T)  # the last queries against the dense oracle (all T x S scores would not fit)
+    ro = mla_prefill_reference(q[:, -m:], k, v, n_new * 0 + m, starts + T - m, jnp.int32(0), scale=SCALE)
+    case = {"B": B, "T": T, "H": H, "S": S, "rel_err_last_queries": rel(o[:, -m:], ro)}
+    if case["rel_err_last_queries"] > 2e-2:
+        rec.data["errors"][f"history {B}x{T}x{H}x{S}"] = f"disagrees with the reference: {case}"
+    ms, _ = gpu_ms(fn, q, k, v, n_new, starts, reps=5, smoke=smoke)
+    case["ours"] = dict(ms=ms, tflops=pairs * 2 * 320 / ms / 1e9)
+    peer_ms = None
+    if not smoke:
+        full = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+            q, k, jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, 64))), scale=SCALE,
+            implementation="cudnn")[..., :128]
+        peer_ms, _ = gpu_ms(jax.jit(full), q, k, v, reps=5)
+        case["cudnn_no_mask"] = dict(ms=peer_ms, tflops=B * H * T * S * 2 * 320 / peer_ms / 1e9)
+    rec.details.setdefault("history_cases", []).append(case)
+    rec.log(f"history B{B} T{T} H{H} S{S}: {case}")
+    rec.row("MLA prefill, a chunk over its cached history (GPU kernel time)", f"B{B} T{T} after {S - T} H{H}",
+            ms, "ms", peer=peer_ms, peer_name="cuDNN flash attention over T x S, no mask",
+            note=f"{case['ours']['tflops']:.0f} TFLOP/s" + (
+                f" (cuDNN {case['cudnn_no_mask']['tflops']:.0f})" if peer_ms else ""))
+
+
 def run(rec, args):
     backend = "interpret" if args.smoke else "pallas"
     configs = {"default": {}}
@@ -103,3 +141,5 @@ def run(rec, args):
     rec.guard("check", check_ragged, rec, backend, [1, 77, 200] if args.smoke else [1, 77, 300, 256])
     for B, T, H in shapes:
         rec.guard(f"B{B} T{T} H{H}", time_shape, rec, backend, args.smoke, B, T, H, configs)
+    for B, T, H, S in ([(1, 40, 2, 100)] if args.smoke else args.history):
+        rec.guard(f"history B{B} T{T} H{H} S{S}", time_history, rec, backend, args.smoke, B, T, H, S)

@@ -51,22 +51,34 @@ def mla_decode(q, cache, page_table, lengths, *, scale, backend: str | None = No
                          partial_dtype=partial_dtype, **cfg.as_dict())
 
 
-def mla_prefill(q, k, v, lengths, *, scale, backend: str | None = None, return_lse: bool = False,
-                config: PrefillConfig | None = None, chunk: int = 512):
-    """Causal variable-length MLA prefill attention (expanded form; prefill.py): q, k
-    [B, T, H, 192], v [B, T, H, 128], lengths [B] -> o [B, T, H, 128] in q.dtype (and lse
-    [B, T, H] fp32 with return_lse). The reference backend is the chunked plain-JAX form
+def mla_prefill(q, k, v, lengths, *, scale, starts=None, key_start=None, backend: str | None = None,
+                return_lse: bool = False, out_dtype=None, config: PrefillConfig | None = None,
+                chunk: int = 512):
+    """Causal variable-length MLA prefill attention (expanded form; prefill.py): q [B, T, H, 192],
+    k [B, S, H, 192], v [B, S, H, 128], lengths [B] -> o [B, T, H, 128] in out_dtype (default
+    q.dtype) (and lse [B, T, H] fp32 with return_lse). starts [B] / key_start (a scalar): the
+    positions of each row's query 0 and of key 0, for a chunk of queries over a chunk of its
+    history (default 0, with S = T). The reference backend is the chunked plain-JAX form
     (`mla_prefill_chunked`, key chunks of `chunk`)."""
     backend = resolve_backend(backend)
     if q.shape[-1] != QK_DIM or k.shape[-1] != QK_DIM or v.shape[-1] != V_DIM:
         raise ValueError(f"q, k must end in {QK_DIM} and v in {V_DIM}: "
                          f"{q.shape}, {k.shape}, {v.shape}")
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k {k.shape} and v {v.shape} need q's batch and heads {q.shape[0], q.shape[2]} "
+                         f"and one key length")
+    if starts is None and key_start is None and k.shape[1] != q.shape[1]:
+        raise ValueError(f"{q.shape[1]} queries over {k.shape[1]} keys: give starts / key_start "
+                         f"for a chunk over its history")
+    out_dtype = None if out_dtype is None else jnp.dtype(out_dtype).name
     if backend == "reference":
-        o, lse = mla_prefill_chunked(q, k, v, lengths, scale=float(scale), chunk=chunk)
+        o, lse = mla_prefill_chunked(q, k, v, lengths, starts, key_start, scale=float(scale),
+                                     chunk=chunk, out_dtype=out_dtype)
     else:
         cfg = prefill_config("interpret" if backend == "interpret" else kernel_platform(),
                              config)
-        o, lse = prefill_pallas(q, k, v, lengths, scale=float(scale), block_q=cfg.block_q,
-                                block_k=cfg.block_k, num_warps=cfg.num_warps,
-                                num_stages=cfg.num_stages, interpret=backend == "interpret")
+        o, lse = prefill_pallas(q, k, v, lengths, starts, key_start, scale=float(scale),
+                                block_q=cfg.block_q, block_k=cfg.block_k, num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages, interpret=backend == "interpret",
+                                out_dtype=out_dtype)
     return (o, lse) if return_lse else o

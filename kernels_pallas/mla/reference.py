@@ -151,14 +151,18 @@ def merge_partials(o_list, lse_list, out_dtype=None):
                          out_dtype=out_dtype or o_list[0].dtype)
 
 
-def mla_prefill_reference(q, k, v, lengths, *, scale, return_lse: bool = False):
-    """Dense causal variable-length attention (materialises T x T; the oracle for tests)."""
+def mla_prefill_reference(q, k, v, lengths, starts=None, key_start=None, *, scale,
+                          return_lse: bool = False):
+    """Dense causal variable-length attention (materialises T x S; the oracle for tests).
+    starts / key_start: positions of query 0 of each row and of key 0 (prefill.py)."""
     B, T, H, _ = q.shape
     s = jnp.einsum("bihd,bjhd->bhij", q.astype(jnp.float32), k.astype(jnp.float32),
                    precision=_HI) * scale
     i = jnp.arange(T)
     L = lengths.astype(jnp.int32)[:, None, None, None]
-    mask = (i[None, None, None, :] <= i[None, None, :, None]) & (i[None, None, None, :] < L)
+    q0 = (jnp.zeros((B,), jnp.int32) if starts is None else starts.astype(jnp.int32))[:, None, None, None]
+    kpos = (0 if key_start is None else jnp.reshape(key_start, ())) + jnp.arange(k.shape[1])
+    mask = (kpos[None, None, None, :] <= q0 + i[None, None, :, None]) & (kpos[None, None, None, :] < q0 + L)
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)

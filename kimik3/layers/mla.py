@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from kernels_pallas import resolve_backend
-from kernels_pallas.mla import mla_decode, mla_prefill, mla_prefill_chunked
+from kernels_pallas.mla import merge_partials, mla_decode, mla_prefill, mla_prefill_chunked
 from kernels_pallas.mla.reference import CACHE_DIM, dequant_cache, quantize_words
 from kernels_pallas.mla.softmax import online_softmax_step
 from kernels_pallas.mla.prefill import QK_DIM, V_DIM
@@ -21,6 +21,7 @@ from .kda import RECURRENT_MAX_T
 
 LONG_PREFILL = 1024  # causal passes longer than this use the chunked / flash prefill attention
 HISTORY_CHUNK = 1024  # key positions a step of `history_attention` (rounded to whole pages)
+FLASH_KEY_ROWS = 16384  # expanded keys (rows x positions) a step of `history_flash`: 168 MB at 16 heads
 MASKED = -1e30  # finite, so a row with no visible keys stays finite (it is padding anyway)
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -166,10 +167,11 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return next(d for d in range(min(n, cap), 0, -1) if n % d == 0)
 
 
-def per_head_shards(fn, head_args, shared_args, num_heads):
-    """fn(*head_args, *shared_args) -> [B, T, H, X], run per tensor rank's heads in shard_map when
-    the ambient mesh's tensor axis divides the heads (head_args split on their axis 2, shared_args
-    replicated): a Pallas kernel is a custom call XLA's partitioner cannot split by heads."""
+def per_head_shards(fn, head_args, shared_args, num_heads, with_lse=False):
+    """fn(*head_args, *shared_args) -> [B, T, H, X] (and lse [B, T, H] with_lse), run per tensor
+    rank's heads in shard_map when the ambient mesh's tensor axis divides the heads (head_args
+    split on their axis 2, shared_args replicated): a Pallas kernel is a custom call XLA's
+    partitioner cannot split by heads."""
     from jax import shard_map
     from jax.sharding import PartitionSpec as P
 
@@ -178,8 +180,9 @@ def per_head_shards(fn, head_args, shared_args, num_heads):
     if t == 1 or num_heads % t:
         return fn(*head_args, *shared_args)
     heads = P(None, None, "tensor", None)
+    out_specs = (heads, P(None, None, "tensor")) if with_lse else heads
     return shard_map(fn, mesh=mesh, in_specs=(heads,) * len(head_args) + (P(),) * len(shared_args),
-                     out_specs=heads, check_vma=False)(*head_args, *shared_args)
+                     out_specs=out_specs, check_vma=False)(*head_args, *shared_args)
 
 
 def history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, scale, cache_scale,
@@ -216,6 +219,41 @@ def history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, s
     n_steps = jnp.minimum(_cdiv(jnp.max(end), C), steps)
     acc, _, l_i = attend_in_chunks(n_steps, key_chunk, (B, H, T), dv)
     return jnp.swapaxes(normalise(acc, l_i), 1, 2).astype(dtype)
+
+
+def history_flash(h, latent, table, start, n_new, key_rows: int = FLASH_KEY_ROWS,
+                  min_keys: int = HISTORY_CHUNK):
+    """`history_attention` on the flash prefill kernel: the cached history's keys expanded one
+    chunk of whole pages at a time (C positions a row: about key_rows / B, at least min_keys,
+    so that many rows do not make many small steps), the kernel run for the new
+    queries over each chunk, the chunks' (o, lse) merged exactly; steps past the batch's longest
+    history are not run. Needs the kernel's head dimensions (QK_DIM, V_DIM). Returns
+    [B, T, H, dv] in h.dtype (0 where no key)."""
+    B, T, H, dn = h.q_nope.shape
+    P = latent.shape[1]
+    R, dr, dv = h.w_uk.shape[0], h.q_rope.shape[-1], h.w_uv.shape[-1]
+    per_step = max(1, min(max(key_rows // B, min_keys), table.shape[1] * P) // P)  # pages a step
+    C = per_step * P
+    steps = _cdiv(table.shape[1], per_step)
+    table = jnp.pad(table, ((0, 0), (0, steps * per_step - table.shape[1])))  # masked by position
+    qk = jnp.concatenate([h.q_nope, h.q_rope], -1)
+
+    def attend(qk, k, v, n_new, start, k0):
+        return mla_prefill(qk, k, v, n_new, starts=start, key_start=k0, scale=h.scale,
+                           backend=h.backend, return_lse=True, out_dtype=F32)
+
+    def step(i, carry):
+        pages = jax.lax.dynamic_slice_in_dim(table, i * per_step, per_step, axis=1)
+        keys = read_cache(latent[pages], h.cache_scale, h.dtype).reshape(B, C, -1)
+        k_nope = jnp.einsum("bsc,chn->bshn", keys[..., :R], h.w_uk, precision=HIGHEST)
+        v = jnp.einsum("bsc,chv->bshv", keys[..., :R], h.w_uv, precision=HIGHEST)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(keys[:, :, None, R:], (B, C, H, dr))], -1)
+        o, lse = per_head_shards(attend, (qk, k, v), (n_new, start, i * C), H, with_lse=True)
+        return merge_partials([carry[0], o], [carry[1], lse])
+
+    init = (jnp.zeros((B, T, H, dv), F32), jnp.full((B, T, H), -jnp.inf, F32))
+    n_steps = jnp.minimum(_cdiv(jnp.max(start + n_new), C), steps)
+    return jax.lax.fori_loop(0, n_steps, step, init)[0].astype(h.dtype)
 
 
 def attend_in_chunks(n_steps, chunk, shape, width):
@@ -393,6 +431,7 @@ class MLA(nn.Module):
         w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]
 
         h = Heads(q_nope, q_rope, w_uk, w_uv, scale, dt, cscale, backend)
+        flash_dims = (dn + dr, dv) == (QK_DIM, V_DIM)
         if cache is None:
             new_cache = None
             o = (long_causal if T > LONG_PREFILL else causal)(h, entries, n_new)
@@ -406,7 +445,9 @@ class MLA(nn.Module):
                 o = decode_kernel(h, latent, table, start, n_new)
             elif T <= RECURRENT_MAX_T:
                 o = absorbed(h, latent, table, start, n_new)
-            else:  # chunked prefill over the cached history: no T x S scores
+            elif flash_dims and resolve_backend(backend) != "reference":  # chunked prefill
+                o = history_flash(h, latent, table, start, n_new)
+            else:  # chunked prefill over the cached history in plain JAX: no T x S scores
                 o = history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, scale,
                                       cscale, dt)
 

@@ -170,6 +170,36 @@ def test_long_forward_uses_chunked_prefill_attention(monkeypatch):
     assert jnp.max(jnp.abs(chunked - dense)) / jnp.max(jnp.abs(dense)) < 1e-5
 
 
+def test_chunked_prefill_over_the_paged_history_on_the_flash_kernel(monkeypatch):
+    """An MLA layer at the flash kernel's head dimensions (192 / 128) prefilling a prompt in two
+    chunks over a paged cache: on the kernels (interpret) the chunks attend their history
+    through `history_flash` (not the plain-JAX `history_attention`) and equal the reference."""
+    import kimik3.layers.mla as mla_mod
+
+    cfg = kimik3.Config.preset("tiny").replace(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    B, T, P, D = 2, 12, 4, cfg.hidden_size
+    layer = MLA(cfg)
+    x = jax.random.normal(jax.random.key(0), (B, 2 * T, D))
+    table = jnp.asarray([[5, 0, 3, 7, 1, 9], [2, 8, 4, 6, 10, 11]], jnp.int32)
+    zero = jnp.zeros(B, jnp.int32)
+    params = layer.init(jax.random.key(1), x[:, :T], None, zero, zero + T)
+    n_new = [jnp.asarray([T, T], jnp.int32), jnp.asarray([T, 5], jnp.int32)]  # row 1's 2nd chunk is ragged
+    outs = {}
+    for backend in ("reference", "interpret"):
+        if backend == "interpret":
+            monkeypatch.setattr(mla_mod, "history_attention", lambda *a, **k: 1 / 0)
+        cache = {"latent": jnp.zeros((12, P, cfg.mla_cache_dim), jnp.float32)}
+        outs[backend] = []
+        for c in range(2):
+            o, cache = layer.apply(params, x[:, c * T:(c + 1) * T], cache, zero + c * T, n_new[c],
+                                   backend=backend, page_table=table)
+            outs[backend].append(np.asarray(o))
+    for c in range(2):
+        valid = np.arange(T)[None, :] < np.asarray(n_new[c])[:, None]
+        ref, out = outs["reference"][c][valid], outs["interpret"][c][valid]
+        assert np.max(np.abs(out - ref)) / np.max(np.abs(ref)) < 1e-4
+
+
 def test_write_layer_on_the_fused_attnres_norm_kernel():
     """A bf16 K3-like decoder layer that freezes a block, on the fused AttnRes mix + RMSNorm
     kernel (and the other kernels) vs the reference path: the frozen block (the residual stream

@@ -1,7 +1,7 @@
-"""The chunked prefill over a cached MLA history (kimik3.layers.mla.history_attention): equal to
-attention over the whole history at once (the T x S scores it replaces) for ragged starts, rows
-with nothing new, several key chunks, page boundaries, and an fp8 cache."""
-import jax
+"""The chunked prefill over a cached MLA history (kimik3.layers.mla.history_attention in plain JAX,
+history_flash on the flash prefill kernel): equal to attention over the whole history at once
+(the T x S scores they replace) for ragged starts, rows with nothing new, several key chunks,
+page boundaries, and an fp8 cache."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +14,7 @@ B, T, H, DN, DR, DV, R, P = 5, 12, 3, 16, 8, 16, 32, 4
 
 def dense_oracle(q_nope, q_rope, keys, start, n_new, w_uk, w_uv, scale):
     """All S positions at once, fp32: scores [B, H, T, S], masked to s <= start + t, s < end."""
+    R, T = w_uk.shape[0], q_nope.shape[1]
     k_nope = jnp.einsum("bsc,chn->bshn", keys[..., :R], w_uk)
     v = jnp.einsum("bsc,chv->bshv", keys[..., :R], w_uv)
     s = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope)
@@ -54,3 +55,30 @@ def test_history_attention_matches_whole_history(fp8, chunk):
     np.testing.assert_allclose(np.asarray(o)[valid], np.asarray(want)[valid], atol=2e-5, rtol=2e-5)
     assert np.all(np.isfinite(np.asarray(o))), "padding queries stay finite"
     assert np.all(np.asarray(o)[3] == 0), "a row with no key attends nothing"
+
+
+@pytest.mark.parametrize("fp8,key_rows", [(False, 40), (False, 10_000), (True, 24)])
+def test_history_flash_matches_whole_history(fp8, key_rows):
+    """The chunked prefill on the flash kernel (interpret mode) at its head dimensions (192 / 128):
+    the same attention as the dense oracle for ragged starts, rows with nothing new, several key
+    chunks (key_rows 40 and 24: 2-3 pages a step) or one, and an fp8 cache."""
+    from kimik3.layers.mla import Heads, history_flash
+
+    dn, dr, dv, r, h, t, b = 128, 64, 128, 32, 2, 10, 4
+    rng = np.random.default_rng(11 + key_rows)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    q_nope, q_rope = f(b, t, h, dn), f(b, t, h, dr)
+    w_uk, w_uv = f(r, h, dn) * 0.1, f(r, h, dv) * 0.2
+    pages_per_row, num_pages, scale_c = 8, 40, 0.05
+    values = f(num_pages, P, r + dr)
+    latent = quantize_words(values, scale_c) if fp8 else values
+    table = jnp.asarray(rng.permutation(num_pages)[:b * pages_per_row].reshape(b, pages_per_row), jnp.int32)
+    start = jnp.asarray([0, 6, 13, 32 - t], jnp.int32)
+    n_new = jnp.asarray([t, 5, 0, t], jnp.int32)
+    heads = Heads(q_nope, q_rope, w_uk, w_uv, 0.1, jnp.float32, scale_c if fp8 else None, "interpret")
+    o = history_flash(heads, latent, table, start, n_new, key_rows=key_rows, min_keys=P)
+    keys = (dequant_cache(latent, scale_c) if fp8 else latent)[table].reshape(b, -1, r + dr)
+    want = dense_oracle(q_nope, q_rope, keys.astype(jnp.float32), start, n_new, w_uk, w_uv, 0.1)
+    valid = np.asarray(jnp.arange(t)[None, :] < n_new[:, None])
+    np.testing.assert_allclose(np.asarray(o)[valid], np.asarray(want)[valid], atol=3e-5, rtol=3e-5)
+    assert np.all(np.asarray(o)[~valid] == 0), "rows past the new tokens come out 0"
