@@ -184,10 +184,10 @@ def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False)
     runs = {}
     for spec in (None, drafter):
         runs[spec is None] = decode(model, B, prompts, params, spec and spec(), max_len, depth, profile)
-    tps, full = {}, {}
+    tps, full, differs = {}, {}, {}
     for i, name in enumerate(("cold", "warm")):
         (plain, t_plain, n_plain, plain_stats), (ours, t_spec, n_spec, stats) = runs[True][i], runs[False][i]
-        differ = divergence(plain, ours)
+        differ = differs[name] = divergence(plain, ours)
         tps[name] = (n_spec / t_spec, n_plain / t_plain)
         full[name] = (stats["full_batch_tokens_per_s"], plain_stats["full_batch_tokens_per_s"])
         acc = stats.get("spec_acceptance")
@@ -208,7 +208,8 @@ def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False)
     rec.row(area + (", trained tiny-code model" if workload == "code" else ""), f"B{B} {workload}",
             spec_tps, "tokens/s", peer=plain_tps, peer_name="plain",
             note=f"{main_depth(stats)}, acceptance {0 if acc is None else acc:.2f}, {len(differ)}/{B} rows "
-                 f"differ; to the last row {whole:.2f}x; fresh controller {cold:.2f}x" + profile_note(runs))
+                 f"differ; to the last row {whole:.2f}x; fresh controller {cold:.2f}x"
+                 + (f", {len(differs['cold'])}/{B} rows differ" if differs["cold"] else "") + profile_note(runs))
 
 
 def main_depth(stats) -> str:
