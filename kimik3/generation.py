@@ -14,7 +14,7 @@ from sharding.distributed import host_value
 
 from .model import Cache, KimiLM, Model
 from .runtime import bucket, check_tokens, mesh_context, prefill, run_mesh
-from .sampling import check_sampling, sample_step
+from .sampling import check_sampling, sample_step, step_sampling
 from .tokenizer import IncrementalDecoder, default_tokenizer
 
 
@@ -177,6 +177,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 16, temperature: float
     outs = [Completion(logprobs=[] if return_logprobs else None, top_logprobs=[] if return_logprobs else None)
             for _ in range(B)]
     seeds = jnp.asarray(prompt_seeds(seed, B))
+    temperature, top_k, top_p = step_sampling(temperature, top_k, top_p)  # None: greedy, no sort
 
     last_logits, cache = prefill(model, prompts, max_seq_len, backend=backend, mesh=mesh, dcp_axes=dcp_axes)
     nxt, lp = _sample_step(last_logits, seeds, jnp.zeros(B, jnp.int32), temperature, top_k, top_p,

@@ -8,6 +8,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a caller may ask for (OpenAI's limit)
 
@@ -70,17 +71,29 @@ def sample(logits, keys, temperature=0.0, top_k=0, top_p=1.0):
     """logits [B, V] fp32, keys [B] PRNG keys -> tokens [B] int32.
 
     temperature <= 0 is greedy for that row; top_k <= 0 and top_p >= 1 disable those filters.
-    When every row is greedy the vocabulary is not sorted (a `lax.cond`: on the GPU the sort of
-    a step's logits cost several times the branch), with the same tokens either way.
+    temperature None (top_k, top_p ignored), or a Python number <= 0, makes every row greedy:
+    the argmax alone, without sorting the vocabulary. Jitted steps get None from
+    `step_sampling` when no row of the batch samples, so the choice is made on the host: a
+    device-side branch (lax.cond) can have XLA:GPU read its predicate back to the host in the
+    middle of the call, and the host then waits for the GPU instead of queueing ahead of it.
     """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if temperature is None or (isinstance(temperature, numbers.Real) and temperature <= 0):
+        return greedy
     B = logits.shape[0]
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
     top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (B,))
     top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (B,))
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.lax.cond(jnp.any(temperature > 0),
-                        lambda: _draw(logits, keys, temperature, top_k, top_p, greedy),
-                        lambda: greedy)
+    return _draw(logits, keys, temperature, top_k, top_p, greedy)
+
+
+def step_sampling(temperature, top_k, top_p):
+    """A batch's (temperature, top_k, top_p) as the jitted steps take them: (None, None, None)
+    where no row samples (every temperature <= 0), so the batch runs the argmax-only program
+    (`sample`); else as given. Host values (numpy arrays or numbers)."""
+    if not np.any(np.asarray(temperature) > 0):
+        return None, None, None
+    return temperature, top_k, top_p
 
 
 def _draw(logits, keys, temperature, top_k, top_p, greedy):

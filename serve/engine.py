@@ -29,7 +29,7 @@ from kimik3.generation import (Completion, accept_token, encode_prompts, logprob
                                text_tokenizer)
 from kimik3.model import Model, cache_shapes
 from kimik3.runtime import mesh_context, run_mesh
-from kimik3.sampling import check_sampling
+from kimik3.sampling import check_sampling, step_sampling
 
 from .cache_budget import plan_cache
 from .pages import PageAllocator
@@ -207,10 +207,11 @@ class Engine(QueuedDecode, SpeculativeCycle):
     def __exit__(self, *exc):
         self.close()
 
-    def warmup(self, logprobs: bool = False) -> int:
+    def warmup(self, logprobs: bool = False, sampling: bool = True) -> int:
         """Compile what steady serving runs (each prefill width, the decode calls, each speculative
         depth's verify pass or, with n-gram drafts, its on-device cycles; the prefix cache's state
-        and page copies; with `logprobs`, the steps' logprob variants too) before the first
+        and page copies; with `logprobs`, the steps' logprob variants too; the programs of
+        all-greedy batches and, with `sampling`, of batches where a row samples) before the first
         request, as servers capture their graphs at start-up: no request then waits for a compile
         and speculation's first cycles are timed, not compiled. Returns how many of the steps'
         programs were compiled (0 where this process already holds them)."""
@@ -222,14 +223,17 @@ class Engine(QueuedDecode, SpeculativeCycle):
         lengths = sorted({self.decode_steps} | ({1} if depths else set()))  # 1: a cycle without drafts
         with mesh_context(self.mesh):
             on_device = depths and isinstance(self.spec.drafter, NgramDrafter)  # n-gram cycles run on device
-            for lp in sorted({False, logprobs}):  # (the host's verify pass: other drafters, and logprobs)
-                host_depths = depths if not on_device or lp else ()
-                self.layers = compile_idle(self.model, self.layers, self.max_batch, self.prefill_widths,
-                                           lengths, host_depths, self.pages_per_seq, self.backend, self.dcp_axes, lp)
-            if on_device:
-                self.layers = compile_spec_idle(self.model, self.layers, self.max_batch, depths, self.decode_steps,
-                                                self.max_seq_len, self.pages_per_seq, self.spec.drafter.min_n,
-                                                self.spec.drafter.max_n, self.backend, self.dcp_axes)
+            for sampled in sorted({False, sampling}):
+                for lp in sorted({False, logprobs}):  # (the host's verify pass: other drafters, and logprobs)
+                    host_depths = depths if not on_device or lp else ()
+                    self.layers = compile_idle(self.model, self.layers, self.max_batch, self.prefill_widths, lengths,
+                                               host_depths, self.pages_per_seq, self.backend, self.dcp_axes, lp,
+                                               sampled)
+                if on_device:
+                    self.layers = compile_spec_idle(self.model, self.layers, self.max_batch, depths,
+                                                    self.decode_steps, self.max_seq_len, self.pages_per_seq,
+                                                    self.spec.drafter.min_n, self.spec.drafter.max_n, self.backend,
+                                                    self.dcp_axes, sampled)
         if self.prefix is not None:
             self.prefix.compile_ops()
         jax.block_until_ready(self.layers)
@@ -462,6 +466,7 @@ class Engine(QueuedDecode, SpeculativeCycle):
         # host arrays go to the jitted steps as they are: jit moves them in its C++ dispatch, where
         # a jnp.asarray each was a Python-level dispatch per array per step
         want_lp = any(r.params.return_logprobs for r in running)  # else the steps skip that work
+        temp, top_k, top_p = step_sampling(temp, top_k, top_p)  # None: an all-greedy batch's program
         common = dict(page_table=table, seeds=seeds, gen_idx=gen, temperature=temp, top_k=top_k, top_p=top_p,
                       backend=self.backend, dcp_axes=self.dcp_axes, logprobs=want_lp)
         # on a mesh the MoE layers run in shard_map (dedup / expert parallelism) under it

@@ -11,6 +11,7 @@ import numpy as np
 
 from kimik3.generation import logprob_rows
 from kimik3.runtime import mesh_context
+from kimik3.sampling import step_sampling
 
 from .drafters import NgramDrafter
 from .spec_steps import SPEC_WINDOW, spec_decode_steps, spec_inputs
@@ -67,6 +68,7 @@ class SpeculativeCycle:
             seeds[s], gen[s] = p.seed, len(r.output)
             temp[s], top_k[s], top_p[s] = p.temperature, p.top_k, p.top_p
         want_lp = any(r.params.return_logprobs for r in running)
+        temp, top_k, top_p = step_sampling(temp, top_k, top_p)
         clock = Stopwatch()
         with mesh_context(self.mesh), clock:
             samples, accepted, lp, self.layers = verify_step(
@@ -118,6 +120,7 @@ class SpeculativeCycle:
             x["seeds"][s], x["temperature"][s], x["top_k"][s], x["top_p"][s] = p.seed, p.temperature, p.top_k, p.top_p
             stop = self._stop_ids(r)
             x["stops"][s, :len(stop)] = stop
+        x["temperature"], x["top_k"], x["top_p"] = step_sampling(x["temperature"], x["top_k"], x["top_p"])
         clock = Stopwatch()
         with mesh_context(self.mesh), clock:
             call = self._spec_dispatch(running, k, x)

@@ -87,13 +87,17 @@ def spec_inputs(batch: int, depth: int, cycles: int, max_seq_len: int) -> dict:
 
 
 def compile_spec_idle(model: Model, layers, batch: int, depths, cycles: int, max_seq_len: int,
-                      pages_per_seq: int, min_n: int, max_n: int, backend=None, dcp_axes=()):
+                      pages_per_seq: int, min_n: int, max_n: int, backend=None, dcp_axes=(),
+                      sampled: bool = False):
     """Run spec_decode_steps at each depth on idle rows (Engine.warmup), then once more chained
     from its device outputs as the engine queues calls (another program: device arrays where the
-    first call had host ones); returns the layers."""
+    first call had host ones); `sampled`: the programs of batches where a row samples, else the
+    all-greedy ones. Returns the layers."""
     table = np.zeros((batch, pages_per_seq), np.int32)
     for k in depths:
         x = spec_inputs(batch, k, cycles, max_seq_len)
+        if not sampled:
+            x.update(temperature=None, top_k=None, top_p=None)
         for _ in range(2):
             *_, carry, layers = spec_decode_steps(model, layers, page_table=table, cycles=cycles, depth=k,
                                                   min_n=min_n, max_n=max_n, backend=backend, dcp_axes=dcp_axes, **x)

@@ -104,7 +104,7 @@ def verify(model: Model, layers, tokens, start, n_new, page_table, seeds, gen_id
                                              all_positions=True)
     # every position of every row in one sampling call (rows are independent, each with its own
     # key), not one call a position: a verify pass's launches then do not grow with the depth
-    per_row = lambda x: jnp.repeat(jnp.asarray(x), T)  # noqa: E731  [B] -> [B * T], row-major
+    per_row = lambda x: x if x is None else jnp.repeat(jnp.asarray(x), T)  # noqa: E731  [B] -> [B * T]
     flat, lp = sample_step(logits.reshape(B * T, -1), per_row(seeds),
                            (gen_idx[:, None] + jnp.arange(T, dtype=gen_idx.dtype)).reshape(-1),
                            per_row(temperature), per_row(top_k), per_row(top_p), logprobs)
@@ -132,7 +132,7 @@ def compiled_programs() -> int:
 
 
 def compile_idle(model: Model, layers, batch: int, widths, decode_lengths, depths, pages_per_seq: int,
-                 backend=None, dcp_axes=(), logprobs: bool = False):
+                 backend=None, dcp_axes=(), logprobs: bool = False, sampled: bool = False):
     """Run every program steady serving uses once on idle rows (no row feeds a token), so each is
     compiled before a request needs it: the mixed step at each prefill width, the decode call at
     each length (the longest also chained from a call's device outputs, as the engine queues
@@ -140,14 +140,16 @@ def compile_idle(model: Model, layers, batch: int, widths, decode_lengths, depth
     pass at each speculative depth. Idle rows leave the KDA states as
     they were and write no MLA position a request reads before writing it (a slot's state is
     reset, or restored, when a request takes it). The arguments have the dtypes the engine
-    passes, so its calls find these programs. Returns the layers."""
+    passes, so its calls find these programs: `sampled` the programs of batches where a row
+    samples, else the all-greedy ones (kimik3.sampling.step_sampling). Returns the layers."""
     B = batch
     z = np.zeros(B, np.int32)
     stops = np.full((B, STOP_SLOTS), -1, np.int32)
     # the keywords the engine passes: a call's jit cache key includes which arguments are keywords
+    temp, top_k, top_p = (np.ones(B, np.float32), z, np.ones(B, np.float32)) if sampled else (None,) * 3
     common = dict(page_table=np.zeros((B, pages_per_seq), np.int32), seeds=np.zeros(B, np.uint32), gen_idx=z,
-                  temperature=np.zeros(B, np.float32), top_k=z, top_p=np.ones(B, np.float32), backend=backend,
-                  dcp_axes=dcp_axes, logprobs=logprobs)
+                  temperature=temp, top_k=top_k, top_p=top_p, backend=backend, dcp_axes=dcp_axes,
+                  logprobs=logprobs)
     for T in widths:
         *_, layers = mixed_step(model, layers, np.zeros((B, T), np.int32), z, z, np.zeros(B, bool), **common)
     for steps in sorted(decode_lengths):
@@ -158,6 +160,6 @@ def compile_idle(model: Model, layers, batch: int, widths, decode_lengths, depth
                                   **dict(common, gen_idx=gen))
     for k in depths:
         *_, layers = verify_step(model, layers, np.zeros((B, k + 1), np.int32), z, z, common["page_table"],
-                                 common["seeds"], z, common["temperature"], z, common["top_p"], stops,
+                                 common["seeds"], z, temp, top_k, top_p, stops,
                                  backend=backend, dcp_axes=dcp_axes, logprobs=logprobs)
     return layers

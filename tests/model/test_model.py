@@ -163,18 +163,25 @@ def test_sampling_is_seeded_and_greedy_is_deterministic(tiny_models):
     assert kimik3.generate(model, prompts, **kw) == kimik3.generate(model, prompts, **kw)
 
 
-def test_greedy_batches_skip_the_sort():
-    """All-greedy rows take the branch without the vocabulary sort; a batch mixing greedy and
-    sampled rows takes the sorting one, its greedy rows still the argmax."""
+def test_greedy_batches_skip_the_sort_without_a_device_branch():
+    """An all-greedy batch (temperature None, as step_sampling passes it, or a Python number
+    <= 0) is the argmax alone: no sort and no lax.cond; a batch mixing greedy and sampled rows
+    sorts, its greedy rows still the argmax."""
+    from kimik3.sampling import step_sampling
+
     logits = jax.random.normal(jax.random.key(1), (3, 50))
     keys = jax.random.split(jax.random.key(2), 3)
-    jaxpr = jax.make_jaxpr(kimik3.sample)(logits, keys, jnp.zeros(3), 0, 1.0)
-    cond = next(e for e in jaxpr.eqns if e.primitive.name == "cond")
-    sorts = ["sort" in str(b.jaxpr) for b in cond.params["branches"]]
-    assert sorts == [False, True]  # branch 0: every row greedy
-    np.testing.assert_array_equal(kimik3.sample(logits, keys, 0.0), jnp.argmax(logits, -1))
-    mixed = kimik3.sample(logits, keys, jnp.array([0.0, 1.0, 0.0]))
+    for greedy in (None, 0.0):
+        text = str(jax.make_jaxpr(lambda l, k: kimik3.sample(l, k, greedy))(logits, keys))
+        assert "sort" not in text and "cond" not in text
+        np.testing.assert_array_equal(kimik3.sample(logits, keys, greedy), jnp.argmax(logits, -1))
+    mixed_t = jnp.array([0.0, 1.0, 0.0])
+    assert "sort" in str(jax.make_jaxpr(kimik3.sample)(logits, keys, mixed_t, 0, 1.0))
+    mixed = kimik3.sample(logits, keys, mixed_t)
     np.testing.assert_array_equal(mixed[::2], jnp.argmax(logits, -1)[::2])
+    assert step_sampling(np.zeros(3, np.float32), np.zeros(3), np.ones(3)) == (None, None, None)
+    t = np.array([0.0, 0.7], np.float32)
+    assert step_sampling(t, 5, 0.9)[0] is t and step_sampling(0.0, 0, 1.0) == (None, None, None)
 
 
 def test_sample_filters():

@@ -112,10 +112,15 @@ def test_steady_state_does_not_recompile(model):
     from serve import steps
 
     eng = Engine(model, max_batch=3, max_seq_len=64, page_size=8, prefill_chunk=16, decode_steps=2)
+    sizes = lambda: (steps.mixed_step._cache_size(), steps.decode_steps._cache_size())  # noqa: E731
     eng.generate(_prompts(3, 7), max_new_tokens=4, stop_tokens=[])  # compiles the two step shapes
-    before = (steps.mixed_step._cache_size(), steps.decode_steps._cache_size())
+    greedy = sizes()
+    eng.generate(_prompts(2, 7), max_new_tokens=4, temperature=0.5, stop_tokens=[])  # and their sampling programs
+    assert sizes() > greedy  # an all-greedy batch runs its own programs (no sort, no device branch)
+    before = sizes()
     eng.generate(_prompts(7, 8), max_new_tokens=9, temperature=0.5, stop_tokens=[])
-    assert (steps.mixed_step._cache_size(), steps.decode_steps._cache_size()) == before
+    eng.generate(_prompts(5, 8), max_new_tokens=9, stop_tokens=[])
+    assert sizes() == before
 
 
 def test_engine_with_decode_context_parallelism(tiny_greedy):
@@ -134,6 +139,7 @@ def test_engine_with_decode_context_parallelism(tiny_greedy):
     assert all(e["latent"].sharding.spec[1] in ("dcp", ("dcp",)) for e in eng.layers if "latent" in e)
     # steady state compiles nothing more: the decode calls queued ahead start from the last
     # call's sharded outputs, which must not make each chained call a new program
+    eng.generate(_prompts(6, 4), max_new_tokens=11, temperature=0.5, stop_tokens=[])  # the sampling programs
     programs = compiled_programs()
     assert eng.generate(tiny_greedy.prompts, max_new_tokens=8, stop_tokens=[]) == tiny_greedy.tokens
     eng.generate(_prompts(6, 3), max_new_tokens=11, temperature=0.5, stop_tokens=[])
