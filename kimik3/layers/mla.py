@@ -227,11 +227,10 @@ def history_flash(h, latent, table, start, n_new, key_rows: int = FLASH_KEY_ROWS
     chunk of whole pages at a time (C positions a row: about key_rows / B, at least min_keys,
     so that many rows do not make many small steps), the kernel run for the new
     queries over each chunk, the chunks' (o, lse) merged exactly; steps past the batch's longest
-    history are not run. Needs the kernel's head dimensions (QK_DIM, V_DIM). Returns
+    history are not run. Needs the kernel's head dimensions (`flash_dims`). Returns
     [B, T, H, dv] in h.dtype (0 where no key)."""
-    B, T, H, dn = h.q_nope.shape
-    P = latent.shape[1]
-    R, dr, dv = h.w_uk.shape[0], h.q_rope.shape[-1], h.w_uv.shape[-1]
+    B, T, H, _ = h.q_nope.shape
+    P, dv = latent.shape[1], h.w_uv.shape[-1]
     per_step = max(1, min(max(key_rows // B, min_keys), table.shape[1] * P) // P)  # pages a step
     C = per_step * P
     steps = _cdiv(table.shape[1], per_step)
@@ -244,10 +243,7 @@ def history_flash(h, latent, table, start, n_new, key_rows: int = FLASH_KEY_ROWS
 
     def step(i, carry):
         pages = jax.lax.dynamic_slice_in_dim(table, i * per_step, per_step, axis=1)
-        keys = read_cache(latent[pages], h.cache_scale, h.dtype).reshape(B, C, -1)
-        k_nope = jnp.einsum("bsc,chn->bshn", keys[..., :R], h.w_uk, precision=HIGHEST)
-        v = jnp.einsum("bsc,chv->bshv", keys[..., :R], h.w_uv, precision=HIGHEST)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(keys[:, :, None, R:], (B, C, H, dr))], -1)
+        k, v = expand_keys(h, read_cache(latent[pages], h.cache_scale, h.dtype).reshape(B, C, -1))
         o, lse = per_head_shards(attend, (qk, k, v), (n_new, start, i * C), H, with_lse=True)
         return merge_partials([carry[0], o], [carry[1], lse])
 
@@ -361,18 +357,29 @@ def absorbed(h, latent, table, start, n_new):
     return _expand(h, o_lat)
 
 
+def flash_dims(h) -> bool:
+    """Whether the heads have the flash prefill kernel's dimensions (QK_DIM, V_DIM)."""
+    return (h.q_nope.shape[-1] + h.q_rope.shape[-1], h.w_uv.shape[-1]) == (QK_DIM, V_DIM)
+
+
+def expand_keys(h, entries):
+    """The expanded form of cache entries [B, S, R + dr] (latent | rope): keys [B, S, H, dn + dr]
+    (the rope part shared by every head) and values [B, S, H, dv]."""
+    B, S, _ = entries.shape
+    R, H, dr = h.w_uk.shape[0], h.w_uk.shape[1], h.q_rope.shape[-1]
+    k_nope = jnp.einsum("bsc,chn->bshn", entries[..., :R], h.w_uk, precision=HIGHEST)
+    v = jnp.einsum("bsc,chv->bshv", entries[..., :R], h.w_uv, precision=HIGHEST)
+    return jnp.concatenate([k_nope, jnp.broadcast_to(entries[:, :, None, R:], (B, S, H, dr))], -1), v
+
+
 def long_causal(h, entries, n_new):
     """A long causal pass without a cache: flash attention (the Pallas kernel at its head
     dimensions, else the chunked form), no T x T scores."""
-    B, T, H, dn = h.q_nope.shape
-    R, dr, dv = h.w_uk.shape[0], h.q_rope.shape[-1], h.w_uv.shape[-1]
-    k_nope = jnp.einsum("bsc,chn->bshn", entries[..., :R], h.w_uk, precision=HIGHEST)
-    v = jnp.einsum("bsc,chv->bshv", entries[..., :R], h.w_uv, precision=HIGHEST)
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(entries[:, :, None, R:], (B, T, H, dr))], -1)
+    k, v = expand_keys(h, entries)
     qk = jnp.concatenate([h.q_nope, h.q_rope], -1)
-    if (dn + dr, dv) == (QK_DIM, V_DIM):  # the Pallas flash-attention kernel's shapes
+    if flash_dims(h):
         return per_head_shards(lambda qk, k, v, n: mla_prefill(qk, k, v, n, scale=h.scale, backend=h.backend),
-                               (qk, k, v), (n_new,), H)
+                               (qk, k, v), (n_new,), qk.shape[2])
     return mla_prefill_chunked(qk, k, v, n_new, scale=h.scale)[0]
 
 
@@ -431,7 +438,6 @@ class MLA(nn.Module):
         w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]
 
         h = Heads(q_nope, q_rope, w_uk, w_uv, scale, dt, cscale, backend)
-        flash_dims = (dn + dr, dv) == (QK_DIM, V_DIM)
         if cache is None:
             new_cache = None
             o = (long_causal if T > LONG_PREFILL else causal)(h, entries, n_new)
@@ -445,7 +451,7 @@ class MLA(nn.Module):
                 o = decode_kernel(h, latent, table, start, n_new)
             elif T <= RECURRENT_MAX_T:
                 o = absorbed(h, latent, table, start, n_new)
-            elif flash_dims and resolve_backend(backend) != "reference":  # chunked prefill
+            elif flash_dims(h) and resolve_backend(backend) != "reference":  # chunked prefill
                 o = history_flash(h, latent, table, start, n_new)
             else:  # chunked prefill over the cached history in plain JAX: no T x S scores
                 o = history_attention(q_nope, q_rope, latent, table, start, n_new, w_uk, w_uv, scale,
