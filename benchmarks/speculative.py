@@ -24,8 +24,9 @@ batch was full (until a first row finished: a server refills its slot, and rows 
 leave a tail of a few rows that plain decoding, whose rows finish together, does not have); the
 whole pass's ratio and the first pass's are in the note (all in the details). Outputs with
 speculation should equal plain decoding's (same seeds); the rows that differ, and where, are
-recorded (on the GPU the verify pass's kernels round differently from the decode step's, so a
-near-tie can flip a greedy choice).
+recorded with plain decoding's logprob lead over speculation's token there (near_tie_gaps: on the
+GPU the verify pass's kernels round differently from the decode step's, so a near-tie can flip a
+greedy choice; a lead far above rounding would be a bug).
 
     python -m benchmarks speculative [--batches 1,16,64] [--new-tokens 192] [--workloads random,code]
         [--spec-depth auto|K] [--profile]
@@ -34,6 +35,7 @@ near-tie can flip a greedy choice).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -170,6 +172,30 @@ def divergence(a, b):
             for i, (r, s) in enumerate(zip(a, b)) if r != s}
 
 
+def near_tie_gaps(model, prompts, params, max_seq_len, plain, ours, differ) -> dict:
+    """Plain decoding re-run with logprobs, per differing row at its first divergence j: how many
+    nats plain decoding's choice led the token speculation chose there (a rounding-sized gap is a
+    near-tie the verify pass's numerics flipped; a large one is a bug). "rerun differs" where the
+    re-run's tokens to j are not the plain pass's, "not in top 5" where the other token ranks lower."""
+    eng = Engine(model, max_batch=len(prompts), max_seq_len=max_seq_len, page_size=64, prefill_chunk=256,
+                 decode_steps=8, prefix_cache=False)
+    lp = [dataclasses.replace(p, return_logprobs=True, top_logprobs=5) for p in params]
+    reqs = submit_and_prefill(eng, prompts, lp, 0)
+    while eng.has_work():
+        eng.step()
+    gaps = {}
+    for i, j in differ.items():
+        out = reqs[i].output
+        theirs = ours[i][j] if j < len(ours[i]) else None
+        if list(out[:j + 1]) != plain[i][:j + 1]:
+            gaps[i] = "rerun differs"
+        elif theirs in out.top_logprobs[j]:
+            gaps[i] = round(out.logprobs[j] - out.top_logprobs[j][theirs], 4)
+        else:
+            gaps[i] = "not in top 5"
+    return gaps
+
+
 def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False):
     V = model.cfg.vocab_size
     prompts = (code_edit_prompts(model, B, 4 * plen) if workload == "code"
@@ -188,6 +214,7 @@ def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False)
     for i, name in enumerate(("cold", "warm")):
         (plain, t_plain, n_plain, plain_stats), (ours, t_spec, n_spec, stats) = runs[True][i], runs[False][i]
         differ = differs[name] = divergence(plain, ours)
+        gaps = near_tie_gaps(model, prompts, params, max_len, plain, ours, differ) if differ and not temperature else {}
         tps[name] = (n_spec / t_spec, n_plain / t_plain)
         full[name] = (stats["full_batch_tokens_per_s"], plain_stats["full_batch_tokens_per_s"])
         acc = stats.get("spec_acceptance")
@@ -196,11 +223,11 @@ def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False)
             plain_tokens_per_s=tps[name][1], spec_tokens_per_s=tps[name][0],
             speedup=tps[name][0] / tps[name][1], plain_full_batch_tokens_per_s=full[name][1],
             full_batch_speedup=full[name][0] / full[name][1], rows_differing=len(differ),
-            first_divergence=differ, **stats))
+            first_divergence=differ, logprob_gap_at_divergence=gaps, **stats))
         rec.log(f"B{B} {workload} ({name} controller): plain {tps[name][1]:.1f} tok/s, {drafter_name} "
                 f"{tps[name][0]:.1f} tok/s ({tps[name][0] / tps[name][1]:.2f}x; "
                 f"{full[name][0] / full[name][1]:.2f}x while the batch was full), {main_depth(stats)}, "
-                f"acceptance {acc}, rows differing {len(differ)}/{B} {differ}")
+                f"acceptance {acc}, rows differing {len(differ)}/{B} {differ}, plain's lead there {gaps}")
     # the row: the warm controller's pass while the batch was full (the module docstring says why)
     (spec_tps, plain_tps), whole = full["warm"], tps["warm"][0] / tps["warm"][1]
     area = f"Speculative decoding, {drafter_name} drafts, " + ("auto depth" if depth == "auto" else f"depth {depth}")
@@ -209,7 +236,14 @@ def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False)
             spec_tps, "tokens/s", peer=plain_tps, peer_name="plain",
             note=f"{main_depth(stats)}, acceptance {0 if acc is None else acc:.2f}, {len(differ)}/{B} rows "
                  f"differ; to the last row {whole:.2f}x; fresh controller {cold:.2f}x"
-                 + (f", {len(differs['cold'])}/{B} rows differ" if differs["cold"] else "") + profile_note(runs))
+                 + (f", {len(differs['cold'])}/{B} rows differ" if differs["cold"] else "")
+                 + gap_note(rec.details["cases"][-2:]) + profile_note(runs))
+
+
+def gap_note(cases) -> str:
+    """The differing rows' logprob gaps at their divergence (near_tie_gaps), both passes."""
+    gaps = [g for c in cases for g in c["logprob_gap_at_divergence"].values()]
+    return f" (plain's lead there: {', '.join(map(str, gaps))} nats)" if gaps else ""
 
 
 def main_depth(stats) -> str:

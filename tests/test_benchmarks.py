@@ -155,3 +155,29 @@ ENTRY %main.1 (p: u32[2,320]) -> u32[2,320] {
     assert hlo_names(str(tmp_path), ["broadcast_add_fusion_5", "broadcast_add_fusion_5__1", "moe_gmm"]) == {
         "broadcast_add_fusion_5": want, "broadcast_add_fusion_5__1": want}
     assert hlo_names(str(tmp_path / "none"), ["x"]) == {}
+
+
+def test_near_tie_gaps_measure_plain_decodings_lead_at_a_divergence():
+    """A row made to differ at token j by plain decoding's second choice there: its gap is the
+    logprob lead of the first choice (>= 0); a token outside the top 5 and a row whose plain
+    tokens the re-run does not reproduce are named, not measured."""
+    import kimik3
+    from benchmarks.speculative import near_tie_gaps
+    from serve import Engine, SamplingParams
+    model = kimik3.init(kimik3.Config.preset("tiny"), seed=0)
+    prompts = [[3, 5, 7, 9], [11, 2, 4]]
+    params = [SamplingParams(max_new_tokens=6, stop_tokens=(), return_logprobs=True, top_logprobs=5)] * 2
+    eng = Engine(model, max_batch=2, max_seq_len=32, page_size=64, prefill_chunk=256, decode_steps=8,
+                 prefix_cache=False)
+    ref = eng.generate(prompts, params=params)
+    j = 2
+    second, third = list(ref[0].top_logprobs[j])[1:3]
+    ours = [list(ref[0][:j]) + [second], list(ref[1])]
+    plain = [list(ref[0]), list(ref[1])]
+    gaps = near_tie_gaps(model, prompts, params, 32, plain, ours, {0: j})
+    assert gaps[0] == pytest.approx(ref[0].logprobs[j] - ref[0].top_logprobs[j][second], abs=1e-4) and gaps[0] >= 0
+    far = min(range(model.cfg.vocab_size), key=lambda t: t in ref[0].top_logprobs[j])  # outside the top 5
+    assert near_tie_gaps(model, prompts, params, 32, plain, [list(ref[0][:j]) + [far]] + plain[1:], {0: j}) == {
+        0: "not in top 5"}
+    wrong = [[(t + 1) % model.cfg.vocab_size for t in plain[0]], plain[1]]
+    assert near_tie_gaps(model, prompts, params, 32, wrong, [[third] * 6, plain[1]], {0: 0}) == {0: "rerun differs"}
