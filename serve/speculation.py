@@ -16,10 +16,11 @@ has a draft runs one plain token, which is what every depth costs while the draf
 nothing: it times the depths not yet timed (a timed depth keeps the time of its real cycles).
 A cycle's time is the minimum of its last few timings: noise only adds to it (a collection pause,
 a host hiccup, a program's first run), and a single slow sample kept in an average made a depth
-look slower than it is until it was re-timed. Each cycle runs the best estimate; a timed depth
-not chosen is re-timed, so that the estimates follow the load, once `explore_every` cycles times
-its cycle over a plain token's have passed (explore_every alone while it has one timing): each
-losing depth costs about 1/explore_every of plain decoding's time, however slow. A depth being
+look slower than it is until it was re-timed. Each cycle runs the best estimate; a depth with a
+single timing is timed again at the next cycle (a program's first calls on real rows can be
+several times slower than its later ones), and a timed depth not chosen is re-timed, so that the
+estimates follow the load, once `explore_every` cycles times its cycle over a plain token's have
+passed: each losing depth costs about 1/explore_every of plain decoding's time, however slow. A depth being
 tried or re-timed runs one device call at a time (`settled`), so its timing is in before the
 next call is chosen.
 """
@@ -119,9 +120,14 @@ class Speculator:
         return (cls, 0) not in self.cycle_s or not self._due(cls, depth)
 
     def _due(self, cls: int, k: int) -> bool:
-        """Whether timed depth k is due a re-timing: explore_every cycles times its cost in plain
-        tokens have passed since it was last timed."""
-        ratio = self.cycle_s[(cls, k)] / self.cycle_s[(cls, 0)] if len(self.samples.get((cls, k), ())) > 1 else 1.0
+        """Whether timed depth k is due a re-timing: always while a speculative depth has one
+        timing (the first call of a program on real rows can run several times slower than its
+        later calls on the GPU, and one such timing used to keep a paying depth off for
+        explore_every cycles), then once explore_every cycles times its cost in plain tokens have
+        passed since it was last timed."""
+        if k and len(self.samples.get((cls, k), ())) < 2:
+            return True
+        ratio = self.cycle_s[(cls, k)] / self.cycle_s[(cls, 0)]
         return self.cycles - self.last_timed.get((cls, k), 0) >= self.explore_every * max(1.0, ratio)
 
     def timed(self, rows: int, depth: int, seconds: float, compiled: bool = False):
