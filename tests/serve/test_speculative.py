@@ -1,6 +1,8 @@
 """Speculative decoding: outputs equal plain decoding (greedy and seeded sampling), rollback keeps
 exactly the accepted prefix's state, the committed tokens follow the target's distribution, and the
 depth controller picks the depth with the most committed tokens per second."""
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -269,6 +271,39 @@ def test_engine_queues_no_call_behind_a_depth_it_is_timing(model, monkeypatch):
         eng.step()
     assert [list(r.output) for r in reqs] == want
     assert queued_unsettled and not any(queued_unsettled)  # calls were queued, none unsettled
+
+
+def test_a_call_run_alone_is_timed_from_its_dispatch(model, monkeypatch):
+    """A depth being timed runs its call alone (nothing queued behind it); the depths it is
+    compared with run queued, their dispatch hidden behind the call ahead. So a lone call's
+    timing leaves out its dispatch: here a dispatch made 0.4 s slow does not reach the
+    controller's cycle times, and the tokens stay plain decoding's."""
+    prompts = [[1] + [5, 6, 7, 8] * 6, [1] + [9, 10, 11] * 8]
+    kw = dict(max_batch=2, max_seq_len=128, page_size=8, decode_steps=2, prefix_cache=False)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, stop_tokens=())
+    want = Engine(model, **kw).generate(prompts, params=[params] * 2)
+    eng = Engine(model, **kw, speculative="ngram")
+    eng.warmup()
+    monkeypatch.setattr(Speculator, "choose", lambda self, keys: setattr(self, "depth", 2) or 2)
+    monkeypatch.setattr(Speculator, "settled", lambda self, rows, depth: False)  # every call alone
+    real, slow = Engine._spec_dispatch, 0.4
+
+    def dispatch(self, rows, k, x):
+        call = real(self, rows, k, x)
+        jax.block_until_ready(call.outs)  # the device's work done within the dispatch's time
+        time.sleep(slow)
+        return call
+
+    monkeypatch.setattr(Engine, "_spec_dispatch", dispatch)
+    timings = []
+    monkeypatch.setattr(Speculator, "timed", lambda self, rows, depth, seconds, compiled=False: timings.append(
+        (depth, seconds, compiled)))
+    reqs = [eng.submit(p, params) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    assert [list(r.output) for r in reqs] == want
+    cycles = [t for d, t, compiled in timings if d == 2 and not compiled]
+    assert cycles and max(cycles) * kw["decode_steps"] < slow, timings
 
 
 def test_depth_controller_turns_itself_off_when_nothing_is_drafted():
