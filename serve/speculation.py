@@ -17,12 +17,13 @@ nothing: it times the depths not yet timed (a timed depth keeps the time of its 
 A cycle's time is the minimum of its last few timings: noise only adds to it (a collection pause,
 a host hiccup, a program's first run), and a single slow sample kept in an average made a depth
 look slower than it is until it was re-timed. Each cycle runs the best estimate; a depth with a
-single timing is timed again at the next cycle (a program's first calls on real rows can be
-several times slower than its later ones), and a timed depth not chosen is re-timed, so that the
-estimates follow the load, once `explore_every` cycles times its cycle over a plain token's have
-passed: each losing depth costs about 1/explore_every of plain decoding's time, however slow. A depth being
+single timing is timed again at the next cycle (a program's first call on real rows can be much
+slower than its later ones), and a timed depth not chosen is re-timed, so that the estimates
+follow the load, once `explore_every` cycles times its cycle over a plain token's have passed:
+each losing depth costs about 1/explore_every of plain decoding's time, however slow. A depth being
 tried or re-timed runs one device call at a time (`settled`), so its timing is in before the
-next call is chosen.
+next call is chosen; such a lone call is timed from its dispatch's return, as the queued calls
+it is compared with have their dispatch hidden behind the call ahead.
 """
 from __future__ import annotations
 
@@ -121,9 +122,8 @@ class Speculator:
 
     def _due(self, cls: int, k: int) -> bool:
         """Whether timed depth k is due a re-timing: always while a speculative depth has one
-        timing (the first call of a program on real rows can run several times slower than its
-        later calls on the GPU, and one such timing used to keep a paying depth off for
-        explore_every cycles), then once explore_every cycles times its cost in plain tokens have
+        timing (a program's first call on real rows can be much slower than its later calls, and
+        one such timing kept a depth that pays off for explore_every cycles), then once explore_every cycles times its cost in plain tokens have
         passed since it was last timed."""
         if k and len(self.samples.get((cls, k), ())) < 2:
             return True
