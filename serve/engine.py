@@ -474,9 +474,12 @@ class Engine(QueuedDecode, SpeculativeCycle):
         with mesh_context(self.mesh), clock:
             if prefilling:
                 sampled, lp, self.layers = mixed_step(self.model, self.layers, tokens, start, n_new,
-                                                      self._reset, **common)
-                sampled = np.asarray(sampled)[None]  # [1, B]
-                lp = lp and tuple(np.asarray(a)[None] for a in lp)
+                                                      self._reset.copy(), **common)
+                if any(r.fed + int(n_new[r.slot]) >= r.seq_len for r in running):  # a sample is a token
+                    sampled = np.asarray(sampled)[None]  # [1, B]
+                    lp = lp and tuple(np.asarray(a)[None] for a in lp)
+                else:  # every row is mid-prompt: nothing to read, so the next chunk queues behind this one
+                    sampled = lp = None
             else:
                 *outs, carry, self.layers = decode_steps(self.model, self.layers, tokens, start, n_new,
                                                          stops=stops, limit=limit, steps=steps, **common)

@@ -2,10 +2,12 @@
 import gc
 import weakref
 
+import jax
 import numpy as np
 import pytest
 
 import kimik3
+import serve.engine
 from serve import Engine, PageAllocator, SamplingParams
 from serve.steps import compiled_programs
 
@@ -231,6 +233,42 @@ def test_decode_calls_queue_ahead_without_changing_outputs(model, monkeypatch):
     greedy = [kimik3.generate(model, [p], max_new_tokens=len(o), stop_tokens=[], max_seq_len=128)[0]
               for p, (o, _, why), s in zip(prompts, first, (0, 1, 0, 1, 0)) if not s and why != "abort"]
     assert greedy == [o for (o, _, why), s in zip(first, (0, 1, 0, 1, 0)) if not s and why != "abort"]
+
+
+def test_a_prefill_chunk_that_ends_no_prompt_is_not_read_back(model, monkeypatch):
+    """Chunks in the middle of every running prompt have no token to give the host, so the engine
+    does not wait for them: the next chunk is prepared and queued while the device computes (no
+    device-to-host read until the chunk that completes a prompt). Tokens are unchanged."""
+    prompt = _prompts(1, 5, 60, 61)[0]
+    want = kimik3.generate(model, [prompt], max_new_tokens=4, stop_tokens=[], max_seq_len=96)[0]
+    reads = []
+
+    class Numpy:  # the engine's numpy, counting its reads of device arrays
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def asarray(self, a, *args, **kw):
+            if isinstance(a, jax.Array):
+                reads.append(a.shape)
+            return np.asarray(a, *args, **kw)
+
+    monkeypatch.setattr(serve.engine, "np", Numpy())
+    for prefix_cache in (False, True):
+        eng = Engine(model, max_batch=2, max_seq_len=96, page_size=8, prefill_chunk=16, decode_steps=2,
+                     prefix_cache=prefix_cache)
+        req = eng.submit(prompt, SamplingParams(max_new_tokens=4, stop_tokens=()))
+        reads.clear()
+        for _ in range(3):  # tokens 0-47 of 60: mid-prompt chunks
+            assert eng.step() == [] and req.fed % 16 == 0
+        assert reads == []
+        eng.step()  # the last chunk: its sample is the first token
+        assert reads and req.output
+        eng.abort(req)
+        req = eng.submit(prompt, SamplingParams(max_new_tokens=4, stop_tokens=()))
+        while eng.has_work():
+            eng.step()
+        assert list(req.output) == want
+        eng.check_pages()
 
 
 def test_no_call_queues_ahead_where_the_host_must_decide(model):
