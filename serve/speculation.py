@@ -123,8 +123,8 @@ class Speculator:
     def _due(self, cls: int, k: int) -> bool:
         """Whether timed depth k is due a re-timing: always while a speculative depth has one
         timing (a program's first call on real rows can be much slower than its later calls, and
-        one such timing kept a depth that pays off for explore_every cycles), then once explore_every cycles times its cost in plain tokens have
-        passed since it was last timed."""
+        one such timing kept a depth that pays off for explore_every cycles), then once
+        explore_every cycles times its cost in plain tokens have passed since it was last timed."""
         if k and len(self.samples.get((cls, k), ())) < 2:
             return True
         ratio = self.cycle_s[(cls, k)] / self.cycle_s[(cls, 0)]
