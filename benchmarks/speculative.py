@@ -101,6 +101,7 @@ class FreeTargetDrafter(ModelDrafter):
 
 
 PROFILED_STEPS = 4
+ENGINE = dict(page_size=64, prefill_chunk=256, decode_steps=8, prefix_cache=False)  # every engine here
 
 
 def submit_and_prefill(eng, prompts, params, first_id: int) -> list:
@@ -135,10 +136,10 @@ def decode(model, B, prompts, params, speculative, max_seq_len, depth="auto", pr
     controller, which must time the depths it tries) and the second (as a running server's
     controller, which has timed them on earlier requests). With `profile`, a third pass of the
     same prompts is profiled (step_profile), its figures in the second pass's stats."""
-    eng = Engine(model, max_batch=B, max_seq_len=max_seq_len, page_size=64, prefill_chunk=256,
-                 decode_steps=8, speculative=speculative, num_speculative_tokens=depth, prefix_cache=False)
+    eng = Engine(model, max_batch=B, max_seq_len=max_seq_len, speculative=speculative,
+                 num_speculative_tokens=depth, **ENGINE)
     # every depth's verify pass compiled before anything is timed (the sampling programs only
-    # where a row samples: half the compile time of a greedy case)
+    # where a row samples)
     eng.warmup(sampling=any(p.temperature > 0 for p in params))
     drafter = eng.spec.drafter if eng.spec is not None else None
     passes = []
@@ -179,8 +180,7 @@ def near_tie_gaps(model, prompts, params, max_seq_len, plain, ours, differ) -> d
     nats plain decoding's choice led the token speculation chose there (a rounding-sized gap is a
     near-tie the verify pass's numerics flipped; a large one is a bug). "rerun differs" where the
     re-run's tokens to j are not the plain pass's, "not in top 5" where the other token ranks lower."""
-    eng = Engine(model, max_batch=len(prompts), max_seq_len=max_seq_len, page_size=64, prefill_chunk=256,
-                 decode_steps=8, prefix_cache=False)
+    eng = Engine(model, max_batch=len(prompts), max_seq_len=max_seq_len, **ENGINE)
     lp = [dataclasses.replace(p, return_logprobs=True, top_logprobs=5) for p in params]
     reqs = submit_and_prefill(eng, prompts, lp, 0)
     while eng.has_work():
@@ -212,11 +212,12 @@ def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False)
     runs = {}
     for spec in (None, drafter):
         runs[spec is None] = decode(model, B, prompts, params, spec and spec(), max_len, depth, profile)
-    tps, full, differs = {}, {}, {}
+    tps, full, differs, gaps = {}, {}, {}, {}
     for i, name in enumerate(("cold", "warm")):
         (plain, t_plain, n_plain, plain_stats), (ours, t_spec, n_spec, stats) = runs[True][i], runs[False][i]
         differ = differs[name] = divergence(plain, ours)
-        gaps = near_tie_gaps(model, prompts, params, max_len, plain, ours, differ) if differ and not temperature else {}
+        gap = gaps[name] = (near_tie_gaps(model, prompts, params, max_len, plain, ours, differ)
+                            if differ and not temperature else {})
         tps[name] = (n_spec / t_spec, n_plain / t_plain)
         full[name] = (stats["full_batch_tokens_per_s"], plain_stats["full_batch_tokens_per_s"])
         acc = stats.get("spec_acceptance")
@@ -225,11 +226,11 @@ def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False)
             plain_tokens_per_s=tps[name][1], spec_tokens_per_s=tps[name][0],
             speedup=tps[name][0] / tps[name][1], plain_full_batch_tokens_per_s=full[name][1],
             full_batch_speedup=full[name][0] / full[name][1], rows_differing=len(differ),
-            first_divergence=differ, logprob_gap_at_divergence=gaps, **stats))
+            first_divergence=differ, logprob_gap_at_divergence=gap, **stats))
         rec.log(f"B{B} {workload} ({name} controller): plain {tps[name][1]:.1f} tok/s, {drafter_name} "
                 f"{tps[name][0]:.1f} tok/s ({tps[name][0] / tps[name][1]:.2f}x; "
                 f"{full[name][0] / full[name][1]:.2f}x while the batch was full), {main_depth(stats)}, "
-                f"acceptance {acc}, rows differing {len(differ)}/{B} {differ}, plain's lead there {gaps}")
+                f"acceptance {acc}, rows differing {len(differ)}/{B} {differ}, plain's lead there {gap}")
     # the row: the warm controller's pass while the batch was full (the module docstring says why)
     (spec_tps, plain_tps), whole = full["warm"], tps["warm"][0] / tps["warm"][1]
     area = f"Speculative decoding, {drafter_name} drafts, " + ("auto depth" if depth == "auto" else f"depth {depth}")
@@ -239,13 +240,13 @@ def case(rec, model, B, workload, n_new, plen, rng, depth="auto", profile=False)
             note=f"{main_depth(stats)}, acceptance {0 if acc is None else acc:.2f}, {len(differ)}/{B} rows "
                  f"differ; to the last row {whole:.2f}x; fresh controller {cold:.2f}x"
                  + (f", {len(differs['cold'])}/{B} rows differ" if differs["cold"] else "")
-                 + gap_note(rec.details["cases"][-2:]) + profile_note(runs))
+                 + gap_note(gaps) + profile_note(runs))
 
 
-def gap_note(cases) -> str:
+def gap_note(gaps) -> str:
     """The differing rows' logprob gaps at their divergence (near_tie_gaps), both passes."""
-    gaps = [g for c in cases for g in c["logprob_gap_at_divergence"].values()]
-    return f" (plain's lead there: {', '.join(map(str, gaps))} nats)" if gaps else ""
+    leads = [g if isinstance(g, str) else f"{g} nats" for per_row in gaps.values() for g in per_row.values()]
+    return f" (plain's lead there: {', '.join(leads)})" if leads else ""
 
 
 def main_depth(stats) -> str:

@@ -162,7 +162,7 @@ def test_near_tie_gaps_measure_plain_decodings_lead_at_a_divergence():
     logprob lead of the first choice (>= 0); a token outside the top 5 and a row whose plain
     tokens the re-run does not reproduce are named, not measured."""
     import kimik3
-    from benchmarks.speculative import near_tie_gaps
+    from benchmarks.speculative import gap_note, near_tie_gaps
     from serve import Engine, SamplingParams
     model = kimik3.init(kimik3.Config.preset("tiny"), seed=0)
     prompts = [[3, 5, 7, 9], [11, 2, 4]]
@@ -181,3 +181,5 @@ def test_near_tie_gaps_measure_plain_decodings_lead_at_a_divergence():
         0: "not in top 5"}
     wrong = [[(t + 1) % model.cfg.vocab_size for t in plain[0]], plain[1]]
     assert near_tie_gaps(model, prompts, params, 32, wrong, [[third] * 6, plain[1]], {0: 0}) == {0: "rerun differs"}
+    assert gap_note({"cold": {0: 0.012, 3: "not in top 5"}, "warm": {}}) == " (plain's lead there: 0.012 nats, not in top 5)"
+    assert gap_note({"cold": {}, "warm": {}}) == ""
